@@ -46,6 +46,7 @@ typedef enum {
 
 typedef struct {
   char msg[GEFEN_MSG_LEN];
+  int64_t item; /* index of the offending item of a list call, else -1 */
 } gefen_error;
 
 /* The message of the last failure written into err ("" when none). */

@@ -1,0 +1,367 @@
+/* The fused Gefen step (ALGORITHM.md §4): block and factored forms.
+ *
+ * Work is split into chunks of whole blocks (block form) or whole rows
+ * (factored form) across all items of a call, so one parallel region serves a
+ * whole parameter group. Each block is two passes: the first forms the new
+ * momentum into a per-thread scratch and finds its magnitude, the second
+ * requantises it and writes codes and parameters. */
+#include <float.h>
+#include <stdlib.h>
+
+#include "core_internal.h"
+#include "kernel_internal.h"
+#include "quantizer_internal.h"
+
+/* Per-item constants, computed once per call. */
+typedef struct {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float inv_bc1;   /* 1 / (1 - beta1^step) */
+  float rs_bc2;    /* 1 / sqrt(1 - beta2^step), block form */
+  float eps, lr, decay; /* decay = 1 - lr * weight_decay */
+  double lr_d, decay_d; /* the same for float64 parameters */
+  float *scol;     /* factored: sqrt(v_col_j / max(mu, FLT_MIN) / bc2) */
+} adam_consts;
+
+static gefen_status validate_item(const gefen_adam_item *it, int64_t i,
+                                  gefen_error *err) {
+  if (gefen_dtype_size(it->dtype) == 0)
+    return gefen_fail_item(err, GEFEN_ETYPE, i, "unknown dtype %d", (int)it->dtype);
+  if (it->rows < 0 || it->cols < 0)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "negative shape (%lld, %lld)", (long long)it->rows, (long long)it->cols);
+  if (it->cols > 0 && it->rows > INT64_MAX / it->cols)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "shape overflows int64");
+  if (it->period < 1 || (it->cols > 0 && it->cols % it->period))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "period %lld does not divide %lld", (long long)it->period, (long long)it->cols);
+  if (it->row_offset < 0 || it->global_rows < it->row_offset + it->rows)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "rows [%lld, %lld) lie outside the %lld global rows",
+                      (long long)it->row_offset,
+                      (long long)(it->row_offset + it->rows), (long long)it->global_rows);
+  if (it->step < 1)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "step must be >= 1, got %lld", (long long)it->step);
+  if (!(it->lr >= 0.0f) || !isfinite(it->lr))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "invalid lr %g", it->lr);
+  if (!(it->beta1 >= 0.0f && it->beta1 < 1.0f) || !(it->beta2 >= 0.0f && it->beta2 < 1.0f))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "betas (%g, %g) must lie in [0, 1)", it->beta1, it->beta2);
+  if (!(it->eps > 0.0f) || !isfinite(it->eps))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "eps must be finite and > 0, got %g", it->eps);
+  if (!(it->weight_decay >= 0.0f) || !isfinite(it->weight_decay))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "invalid weight_decay %g", it->weight_decay);
+  const int factored = it->vmean == NULL;
+  if (factored && (!it->v_row || !it->v_col || !it->col_stats || (it->rows > 0 && !it->row_stats)))
+    return gefen_fail_item(err, GEFEN_EVALUE, i,
+                           "the factored form needs v_row, v_col, col_stats and row_stats");
+  if (!factored && (it->v_row || it->v_col))
+    return gefen_fail_item(err, GEFEN_EVALUE, i,
+                           "give either vmean (block) or v_row/v_col (factored), not both");
+  if (it->rows > 0 && it->cols > 0 &&
+      (!it->param || !it->grad || !it->codes || !it->magnitude))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "a tensor pointer is NULL");
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
+                                 gefen_error *err) {
+  gefen_clear(err);
+  if (n < 0 || (n > 0 && !items))
+    return gefen_fail(err, GEFEN_EVALUE, "invalid item list");
+  for (int64_t i = 0; i < n; i++) {
+    gefen_status st = validate_item(&items[i], i, err);
+    if (st != GEFEN_OK) return st;
+  }
+  return GEFEN_OK;
+}
+
+/* ----------------------------------------------------- factored phase 1 */
+
+static void factored_stats_rows(const gefen_adam_item *it, int64_t r0, int64_t r1,
+                                double *colsum, double *vrow_sum) {
+  const int64_t cols = it->cols;
+  const float b2 = it->beta2, omb2 = (float)(1.0 - (double)it->beta2);
+  double vsum = 0.0;
+  for (int64_t r = r0; r < r1; r++) {
+    double rs = 0.0;
+    for (int64_t j = 0; j < cols; j++) {
+      float g = gefen_load(it->grad, it->dtype, r * cols + j);
+      float x = g * g;
+      rs += x;
+      colsum[j] += x;
+    }
+    double mean = rs / (double)cols;
+    it->row_stats[r] = mean;
+    float vr = b2 * it->v_row[r] + omb2 * (float)mean;
+    vsum += vr;
+  }
+  *vrow_sum += vsum;
+}
+
+gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
+                                       int nthreads, gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  const int nt = gefen_threads(nthreads);
+  for (int64_t i = 0; i < n; i++) {
+    const gefen_adam_item *it = &items[i];
+    if (it->vmean) continue;
+    const int64_t cols = it->cols, rows = it->rows;
+    memset(it->col_stats, 0, (size_t)(cols + 1) * sizeof(double));
+    if (rows == 0 || cols == 0) continue;
+    /* A fixed split of the rows, summed in order: independent of threads. */
+    const int64_t nchunk = rows < 64 ? rows : 64;
+    double *part = calloc((size_t)nchunk * (size_t)(cols + 1), sizeof(double));
+    if (!part) return gefen_fail_item(err, GEFEN_ENOMEM, i, "out of memory");
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (rows * cols > GEFEN_CHUNK_ELEMS)
+    for (int64_t c = 0; c < nchunk; c++) {
+      double *p = part + c * (cols + 1);
+      factored_stats_rows(it, rows * c / nchunk, rows * (c + 1) / nchunk, p, p + cols);
+    }
+    for (int64_t c = 0; c < nchunk; c++) {
+      const double *p = part + c * (cols + 1);
+      for (int64_t j = 0; j <= cols; j++) it->col_stats[j] += p[j];
+    }
+    free(part);
+  }
+  return GEFEN_OK;
+}
+
+/* ------------------------------------------------------------- the update */
+
+static void make_consts(const gefen_adam_item *it, adam_consts *k) {
+  const double bc1 = 1.0 - pow((double)it->beta1, (double)it->step);
+  const double bc2 = 1.0 - pow((double)it->beta2, (double)it->step);
+  k->beta1 = it->beta1;
+  k->one_minus_beta1 = (float)(1.0 - (double)it->beta1);
+  k->beta2 = it->beta2;
+  k->one_minus_beta2 = (float)(1.0 - (double)it->beta2);
+  k->inv_bc1 = (float)(1.0 / bc1);
+  k->rs_bc2 = (float)(1.0 / sqrt(bc2));
+  k->eps = it->eps;
+  k->lr = it->lr;
+  k->lr_d = (double)it->lr;
+  k->decay_d = 1.0 - (double)it->lr * (double)it->weight_decay;
+  k->decay = (float)k->decay_d;
+  k->scol = NULL;
+}
+
+/* v_col and the per-column factor of the step size, shared by every row. */
+static void factored_columns(const gefen_adam_item *it, const adam_consts *k,
+                             float *scol) {
+  const int64_t cols = it->cols;
+  const double bc2 = 1.0 - pow((double)it->beta2, (double)it->step);
+  const float bc2f = (float)bc2;
+  float mu = (float)(it->col_stats[cols] / (double)it->global_rows);
+  const float denom = mu > FLT_MIN ? mu : FLT_MIN;
+  for (int64_t j = 0; j < cols; j++) {
+    float cm = (float)(it->col_stats[j] / (double)it->global_rows);
+    float vc = k->beta2 * it->v_col[j] + k->one_minus_beta2 * cm;
+    it->v_col[j] = vc;
+    scol[j] = sqrtf(vc / denom / bc2f);
+  }
+}
+
+/* Pass 1 of a block: the new momentum into m, returns max|m| (NaN never
+ * wins) and adds sum g^2 to *sq. */
+static GEFEN_ALWAYS_INLINE float momentum_pass(const gefen_adam_item *it,
+                                               const adam_consts *k,
+                                               const float *cb, int64_t base,
+                                               int64_t len, float mag_old,
+                                               float *m, double *sq,
+                                               gefen_dtype dt) {
+  float mx = 0.0f;
+  double acc = 0.0;
+  const uint8_t *codes = it->codes + base;
+  for (int64_t j = 0; j < len; j++) {
+    float g = gefen_load(it->grad, dt, base + j);
+    float mo = cb[codes[j]] * mag_old;
+    float v = k->beta1 * mo + k->one_minus_beta1 * g;
+    m[j] = v;
+    float a = fabsf(v);
+    mx = a > mx ? a : mx;
+    float x = g * g;
+    acc += x;
+  }
+  *sq += acc;
+  return mx;
+}
+
+static GEFEN_ALWAYS_INLINE void store_param(const gefen_adam_item *it,
+                                            const adam_consts *k, int64_t i,
+                                            float delta, gefen_dtype dt) {
+  /* delta = mq * s; p <- p * (1 - lr * wd) - lr * delta, rounded once */
+  switch (dt) {
+    case GEFEN_F32: {
+      float *p = (float *)it->param;
+      p[i] = p[i] * k->decay - k->lr * delta;
+      break;
+    }
+    case GEFEN_BF16: {
+      uint16_t *p = (uint16_t *)it->param;
+      float v = gefen_bf16_to_f32(p[i]);
+      p[i] = gefen_f32_to_bf16(v * k->decay - k->lr * delta);
+      break;
+    }
+    case GEFEN_F16: {
+      uint16_t *p = (uint16_t *)it->param;
+      float v = gefen_f16_to_f32(p[i]);
+      p[i] = gefen_f32_to_f16(v * k->decay - k->lr * delta);
+      break;
+    }
+    case GEFEN_F64: {
+      double *p = (double *)it->param;
+      p[i] = p[i] * k->decay_d - k->lr_d * (double)delta;
+      break;
+    }
+  }
+}
+
+/* Pass 2 of a block: requantise m with magnitude mx, write codes and
+ * parameters. scale is the block's step size (block form) or NULL with
+ * srow/scol (factored form). */
+static GEFEN_ALWAYS_INLINE void update_pass(const gefen_adam_item *it,
+                                            const adam_consts *k,
+                                            const gefen_quant_table *t,
+                                            int64_t base, int64_t len,
+                                            const float *m, float mx, float s_block,
+                                            float srow, const float *scol,
+                                            int64_t global_base, gefen_dtype dt) {
+  uint8_t *codes = it->codes + base;
+  const float *cb = t->codebook;
+  const int sr = it->stochastic_round;
+  for (int64_t j = 0; j < len; j++) {
+    float u = mx > 0.0f ? m[j] / mx : 0.0f;
+    uint8_t c = sr ? gefen_quant_stochastic(t, u, it->seed, global_base + j)
+                   : gefen_quant_nearest(t, u);
+    codes[j] = c;
+    float mq = cb[c] * mx;
+    float s = scol ? k->inv_bc1 / (srow * scol[j] + k->eps) : s_block;
+    store_param(it, k, base + j, mq * s, dt);
+  }
+}
+
+static GEFEN_ALWAYS_INLINE void block_chunk(const gefen_adam_item *it,
+                                            const adam_consts *k,
+                                            const gefen_quant_table *t,
+                                            int64_t b0, int64_t b1, float *m,
+                                            gefen_dtype dt) {
+  const int64_t P = it->period, nb = it->cols / P;
+  for (int64_t b = b0; b < b1; b++) {
+    const int64_t base = b * P;
+    double sq = 0.0;
+    const float mx = momentum_pass(it, k, t->codebook, base, P, it->magnitude[b], m, &sq, dt);
+    it->magnitude[b] = mx;
+    const float vm = k->beta2 * it->vmean[b] + k->one_minus_beta2 * (float)(sq / (double)P);
+    it->vmean[b] = vm;
+    const float s = k->inv_bc1 / (sqrtf(vm) * k->rs_bc2 + k->eps);
+    const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
+    update_pass(it, k, t, base, P, m, mx, s, 0.0f, NULL, global_base, dt);
+  }
+}
+
+static GEFEN_ALWAYS_INLINE void factored_chunk(const gefen_adam_item *it,
+                                               const adam_consts *k,
+                                               const gefen_quant_table *t,
+                                               int64_t r0, int64_t r1, float *m,
+                                               gefen_dtype dt) {
+  const int64_t P = it->period, cols = it->cols;
+  for (int64_t r = r0; r < r1; r++) {
+    const float vr = k->beta2 * it->v_row[r] + k->one_minus_beta2 * (float)it->row_stats[r];
+    it->v_row[r] = vr;
+    const float srow = sqrtf(vr);
+    for (int64_t c0 = 0; c0 < cols; c0 += P) {
+      const int64_t base = r * cols + c0, b = base / P;
+      double sq = 0.0;
+      const float mx = momentum_pass(it, k, t->codebook, base, P, it->magnitude[b], m, &sq, dt);
+      it->magnitude[b] = mx;
+      const int64_t global_base = (it->row_offset + r) * cols + c0;
+      update_pass(it, k, t, base, P, m, mx, 0.0f, srow, k->scol + c0, global_base, dt);
+    }
+  }
+}
+
+#define DISPATCH_DTYPE(dt, CALL)                     \
+  switch (dt) {                                      \
+    case GEFEN_F32: CALL(GEFEN_F32); break;          \
+    case GEFEN_BF16: CALL(GEFEN_BF16); break;        \
+    case GEFEN_F16: CALL(GEFEN_F16); break;          \
+    case GEFEN_F64: CALL(GEFEN_F64); break;          \
+  }
+
+static void run_chunk(const gefen_adam_item *it, const adam_consts *k,
+                      const gefen_quant_table *t, const gefen_work *w, float *m) {
+#define BLOCK(DT) block_chunk(it, k, t, w->begin, w->end, m, DT)
+#define FACTORED(DT) factored_chunk(it, k, t, w->begin, w->end, m, DT)
+  if (it->vmean) {
+    DISPATCH_DTYPE(it->dtype, BLOCK)
+  } else {
+    DISPATCH_DTYPE(it->dtype, FACTORED)
+  }
+#undef BLOCK
+#undef FACTORED
+}
+
+static void adam_units(const void *items, int64_t i, int64_t *units,
+                       int64_t *unit_len) {
+  const gefen_adam_item *it = (const gefen_adam_item *)items + i;
+  if (it->vmean) { /* block form: blocks of one period */
+    *units = it->rows * (it->cols / it->period);
+    *unit_len = it->period;
+  } else { /* factored form: whole rows (v_row is per row) */
+    *units = it->rows;
+    *unit_len = it->cols;
+  }
+}
+
+gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
+                               const gefen_quantizer *q, int nthreads,
+                               gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
+  const gefen_quant_table *t = gefen_quantizer_table(q);
+  const int nt = gefen_threads(nthreads);
+
+  /* Sizes of the scratch: per-item constants, the factored column factors,
+   * one momentum block per thread, and the chunk list. */
+  int64_t scol_total = 0, max_period = 1;
+  for (int64_t i = 0; i < n; i++) {
+    if (!items[i].vmean) scol_total += items[i].cols;
+    if (items[i].period > max_period) max_period = items[i].period;
+  }
+  gefen_work_list wl;
+  st = gefen_work_plan(&wl, items, n, adam_units, err);
+  if (st != GEFEN_OK) return st;
+  adam_consts *consts = malloc((size_t)(n > 0 ? n : 1) * sizeof *consts);
+  float *scol = malloc((size_t)(scol_total > 0 ? scol_total : 1) * sizeof(float));
+  float *mbuf = malloc((size_t)nt * (size_t)max_period * sizeof(float));
+  if (!consts || !scol || !mbuf) {
+    free(consts);
+    free(scol);
+    free(mbuf);
+    gefen_work_free(&wl);
+    return gefen_fail(err, GEFEN_ENOMEM, "Gefen step: out of memory");
+  }
+  int64_t off = 0;
+  for (int64_t i = 0; i < n; i++) {
+    make_consts(&items[i], &consts[i]);
+    if (!items[i].vmean) {
+      consts[i].scol = scol + off;
+      /* v_col is replicated: every rank updates it, even with no local rows */
+      if (items[i].global_rows > 0) factored_columns(&items[i], &consts[i], scol + off);
+      off += items[i].cols;
+    }
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl.count > 1 && nt > 1)
+  for (int64_t w = 0; w < wl.count; w++) {
+#ifdef _OPENMP
+    float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)max_period;
+#else
+    float *m = mbuf;
+#endif
+    const gefen_work *wk = &wl.items[w];
+    run_chunk(&items[wk->item], &consts[wk->item], t, wk, m);
+  }
+  free(consts);
+  free(scol);
+  free(mbuf);
+  gefen_work_free(&wl);
+  return GEFEN_OK;
+}

@@ -1,0 +1,120 @@
+/* GefenMuon's quantised momentum (ALGORITHM.md §7): the same codes, block
+ * magnitudes and quantiser as Gefen, with Muon's momentum rule. The
+ * Newton-Schulz iteration runs outside the core (torch.matmul). */
+#include <stdlib.h>
+
+#include "core_internal.h"
+#include "kernel_internal.h"
+#include "quantizer_internal.h"
+
+static gefen_status validate_item(const gefen_muon_item *it, int64_t i,
+                                  gefen_error *err) {
+  if (gefen_dtype_size(it->dtype) == 0)
+    return gefen_fail_item(err, GEFEN_ETYPE, i, "unknown dtype %d", (int)it->dtype);
+  if (it->out_dtype != GEFEN_F32 && it->out_dtype != GEFEN_BF16)
+    return gefen_fail_item(err, GEFEN_ETYPE, i, "output must be float32 or bfloat16");
+  if (it->rows < 0 || it->cols < 0)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "negative shape (%lld, %lld)", (long long)it->rows, (long long)it->cols);
+  if (it->cols > 0 && it->rows > INT64_MAX / it->cols)
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "shape overflows int64");
+  if (it->period < 1 || (it->cols > 0 && it->cols % it->period))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "period %lld does not divide %lld", (long long)it->period, (long long)it->cols);
+  if (!(it->beta >= 0.0f && it->beta < 1.0f))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "momentum %g must lie in [0, 1)", it->beta);
+  if (it->rows > 0 && it->cols > 0 && (!it->grad || !it->codes || !it->magnitude || !it->out))
+    return gefen_fail_item(err, GEFEN_EVALUE, i, "a tensor pointer is NULL");
+  return GEFEN_OK;
+}
+
+gefen_status gefen_muon_validate(const gefen_muon_item *items, int64_t n,
+                                 gefen_error *err) {
+  gefen_clear(err);
+  if (n < 0 || (n > 0 && !items))
+    return gefen_fail(err, GEFEN_EVALUE, "invalid item list");
+  for (int64_t i = 0; i < n; i++) {
+    gefen_status st = validate_item(&items[i], i, err);
+    if (st != GEFEN_OK) return st;
+  }
+  return GEFEN_OK;
+}
+
+static GEFEN_ALWAYS_INLINE void muon_block(const gefen_muon_item *it,
+                                           const gefen_quant_table *t, int64_t b,
+                                           float *m, gefen_dtype dt) {
+  const int64_t P = it->period, base = b * P;
+  const float *cb = t->codebook;
+  const float beta = it->beta, omb = (float)(1.0 - (double)it->beta);
+  const float mag_old = it->magnitude[b];
+  uint8_t *codes = it->codes + base;
+  float mx = 0.0f;
+  for (int64_t j = 0; j < P; j++) {
+    float g = gefen_load(it->grad, dt, base + j);
+    float mo = cb[codes[j]] * mag_old;
+    float v = mo + omb * (g - mo);
+    m[j] = v;
+    float a = fabsf(v);
+    mx = a > mx ? a : mx; /* NaN never wins */
+  }
+  it->magnitude[b] = mx;
+  for (int64_t j = 0; j < P; j++) {
+    float u = mx > 0.0f ? m[j] / mx : 0.0f;
+    uint8_t c = gefen_quant_nearest(t, u);
+    codes[j] = c;
+    float mq = cb[c] * mx;
+    float o = mq;
+    if (it->nesterov) o = beta * mq + omb * gefen_load(it->grad, dt, base + j);
+    if (it->out_dtype == GEFEN_F32)
+      ((float *)it->out)[base + j] = o;
+    else
+      ((uint16_t *)it->out)[base + j] = gefen_f32_to_bf16(o);
+  }
+}
+
+static void muon_units(const void *items, int64_t i, int64_t *units,
+                       int64_t *unit_len) {
+  const gefen_muon_item *it = (const gefen_muon_item *)items + i;
+  *units = it->rows * (it->cols / it->period);
+  *unit_len = it->period;
+}
+
+gefen_status gefen_muon_momentum(const gefen_muon_item *items, int64_t n,
+                                 const gefen_quantizer *q, int nthreads,
+                                 gefen_error *err) {
+  gefen_status st = gefen_muon_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
+  const gefen_quant_table *t = gefen_quantizer_table(q);
+  const int nt = gefen_threads(nthreads);
+  int64_t max_period = 1;
+  for (int64_t i = 0; i < n; i++)
+    if (items[i].period > max_period) max_period = items[i].period;
+  gefen_work_list wl;
+  st = gefen_work_plan(&wl, items, n, muon_units, err);
+  if (st != GEFEN_OK) return st;
+  float *mbuf = malloc((size_t)nt * (size_t)max_period * sizeof(float));
+  if (!mbuf) {
+    gefen_work_free(&wl);
+    return gefen_fail(err, GEFEN_ENOMEM, "GefenMuon momentum: out of memory");
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl.count > 1 && nt > 1)
+  for (int64_t w = 0; w < wl.count; w++) {
+#ifdef _OPENMP
+    float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)max_period;
+#else
+    float *m = mbuf;
+#endif
+    const gefen_work *wk = &wl.items[w];
+    const gefen_muon_item *it = &items[wk->item];
+    for (int64_t b = wk->begin; b < wk->end; b++) {
+      switch (it->dtype) {
+        case GEFEN_F32: muon_block(it, t, b, m, GEFEN_F32); break;
+        case GEFEN_BF16: muon_block(it, t, b, m, GEFEN_BF16); break;
+        case GEFEN_F16: muon_block(it, t, b, m, GEFEN_F16); break;
+        case GEFEN_F64: muon_block(it, t, b, m, GEFEN_F64); break;
+      }
+    }
+  }
+  free(mbuf);
+  gefen_work_free(&wl);
+  return GEFEN_OK;
+}

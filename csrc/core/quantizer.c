@@ -1,0 +1,143 @@
+/* The nearest-code quantiser (ALGORITHM.md §3, §6, §10).
+ *
+ * Reference rule: r = first index with C[r] >= u (clamped to 255),
+ * l = max(r - 1, 0), choose l when |u - C[l]| <= |u - C[r]|.
+ *
+ * Fast exact form: adjacent distinct entries of a learned codebook are at
+ * least half a histogram bin (2^-12) apart, twice the width of a lookup
+ * bucket (2^-13), so a bucket holds at most one decision point. The table
+ * stores the nearest distinct entry k of each bucket's lower edge; the answer
+ * for any u in the bucket is k or k + 1, settled by the same fp32 distance
+ * comparison as the reference (which is monotone in u). Codebooks that are
+ * packed tighter (a loaded one, say) fall back to binary search. */
+#include <stdlib.h>
+
+#include "core_internal.h"
+#include "quantizer_internal.h"
+
+/* The reference rule by binary search; exact for every float, NaN included. */
+uint8_t gefen_quantize_reference(const float *c, float u) {
+  int lo = 0, hi = GEFEN_CODEBOOK_SIZE; /* first index with c[r] >= u in [lo, hi] */
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (c[mid] >= u)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  int r = lo > GEFEN_CODEBOOK_SIZE - 1 ? GEFEN_CODEBOOK_SIZE - 1 : lo;
+  int l = r > 0 ? r - 1 : 0;
+  return (uint8_t)(fabsf(u - c[l]) <= fabsf(u - c[r]) ? l : r);
+}
+
+static void build_table(gefen_quant_table *t, const float *c) {
+  memcpy(t->codebook, c, sizeof t->codebook);
+  int n = 0;
+  for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i++) {
+    if (n > 0 && c[i] == t->value[n - 1]) {
+      t->last[n - 1] = (uint8_t)i;
+      continue;
+    }
+    t->value[n] = c[i];
+    t->first[n] = t->last[n] = (uint8_t)i;
+    n++;
+  }
+  for (int k = n; k <= GEFEN_CODEBOOK_SIZE; k++) t->value[k] = INFINITY;
+  for (int k = n; k < GEFEN_CODEBOOK_SIZE; k++) t->first[k] = t->last[k] = 255;
+  t->n_distinct = n;
+
+  /* Two decision points fit in one bucket only if distinct entries are closer
+   * than two buckets; then the table is not exact and is not used. */
+  const float min_gap = 2.0f / (GEFEN_LUT_BUCKETS / 2);
+  t->exact_lut = 1;
+  for (int k = 1; k < n; k++)
+    if (!(t->value[k] - t->value[k - 1] >= min_gap)) t->exact_lut = 0;
+
+  /* Each bucket is keyed by a point a little below its lower edge, because
+   * (u + 1) * 8192 rounds and may place a u just below the edge in the
+   * bucket; the widened bucket still holds at most one decision point. */
+  int k = 0;
+  for (int b = 0; b < GEFEN_LUT_BUCKETS; b++) {
+    const float edge = -1.0f + (float)b / (float)(GEFEN_LUT_BUCKETS / 2) - 0x1p-20f;
+    /* nearest distinct entry of the edge, ties low (edges ascend, so k only grows) */
+    while (k + 1 < n && !(fabsf(edge - t->value[k]) <= fabsf(edge - t->value[k + 1]))) k++;
+    t->bucket[b] = (uint8_t)k;
+  }
+}
+
+gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out,
+                                    gefen_error *err) {
+  gefen_clear(err);
+  if (!out) return gefen_fail(err, GEFEN_EVALUE, "quantizer output is NULL");
+  *out = NULL;
+  if (!codebook) return gefen_fail(err, GEFEN_EVALUE, "codebook is NULL");
+  gefen_status st = gefen_codebook_validate(codebook, err);
+  if (st != GEFEN_OK) return st;
+  gefen_quantizer *q = calloc(1, sizeof *q);
+  if (!q) return gefen_fail(err, GEFEN_ENOMEM, "quantizer: out of memory");
+  build_table(&q->table, codebook);
+  *out = q;
+  return GEFEN_OK;
+}
+
+void gefen_quantizer_destroy(gefen_quantizer *q) { free(q); }
+
+const gefen_quant_table *gefen_quantizer_table(const gefen_quantizer *q) {
+  return q ? &q->table : NULL;
+}
+
+uint8_t gefen_quantize_nearest(const gefen_quantizer *q, float u) {
+  return gefen_quant_nearest(&q->table, u);
+}
+
+float gefen_sr_uniform(uint64_t seed, int64_t global_index) {
+  uint64_t z = seed + UINT64_C(0x9E3779B97F4A7C15) * ((uint64_t)global_index + 1u);
+  z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+  z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+uint8_t gefen_quant_stochastic(const gefen_quant_table *t, float u, uint64_t seed,
+                               int64_t global_index) {
+  const float *c = t->codebook;
+  int lo = 0, hi = GEFEN_CODEBOOK_SIZE;
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (c[mid] >= u)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  int r = lo > GEFEN_CODEBOOK_SIZE - 1 ? GEFEN_CODEBOOK_SIZE - 1 : lo;
+  int l = r > 0 ? r - 1 : 0;
+  float span = c[r] - c[l];
+  float p_up = span > 0.0f ? (u - c[l]) / span : 0.0f;
+  return (uint8_t)(gefen_sr_uniform(seed, global_index) < p_up ? r : l);
+}
+
+uint8_t gefen_quantize_stochastic(const gefen_quantizer *q, float u,
+                                  uint64_t seed, int64_t global_index) {
+  return gefen_quant_stochastic(&q->table, u, seed, global_index);
+}
+
+gefen_status gefen_quantize(const gefen_quantizer *q, const float *u, int64_t n,
+                            uint8_t *codes, gefen_error *err) {
+  gefen_clear(err);
+  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
+  if (n < 0) return gefen_fail(err, GEFEN_EVALUE, "negative length %lld", (long long)n);
+  if (n > 0 && (!u || !codes)) return gefen_fail(err, GEFEN_EVALUE, "NULL buffer");
+  for (int64_t i = 0; i < n; i++) codes[i] = gefen_quant_nearest(&q->table, u[i]);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_codes_remap(uint8_t *codes, int64_t n, const uint8_t *map,
+                               int nthreads, gefen_error *err) {
+  gefen_clear(err);
+  if (n < 0) return gefen_fail(err, GEFEN_EVALUE, "negative length %lld", (long long)n);
+  if (n > 0 && (!codes || !map)) return gefen_fail(err, GEFEN_EVALUE, "NULL buffer");
+  const int nt = gefen_threads(nthreads);
+#pragma omp parallel for schedule(static) num_threads(nt) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i++) codes[i] = map[codes[i]];
+  return GEFEN_OK;
+}

@@ -1,0 +1,102 @@
+"""The state layout of DESIGN.md §1 and the checks every step runs on its inputs.
+
+A parameter of global shape ``(d0, d1, ...)`` is an ``R x S`` matrix with ``R = d0`` and
+``S = d1 * d2 * ...`` (``S = 1`` for 1-D and 0-D parameters, ``R = 1`` for 0-D).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Version of the state-dict schema written into every parameter group.
+SCHEMA_VERSION = 1
+
+
+def rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """Return ``(R, S)`` of a parameter shape: rows and elements per dim-0 slice."""
+    if len(shape) == 0:
+        return 1, 1
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def param_name(group: dict, group_index: int, index: int) -> str:
+    """The name used in error messages: the ``named_parameters`` name when the optimizer
+    was built from ``(name, tensor)`` pairs, else ``param_groups[g][i]``."""
+    names = group.get("param_names")
+    if names is not None and index < len(names):
+        return str(names[index])
+    return f"param_groups[{group_index}][{index}]"
+
+
+@dataclass
+class Slot:
+    """One parameter that takes part in a step."""
+
+    group: dict
+    group_index: int
+    index: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    name: str
+
+
+def check_param(p: torch.Tensor, name: str) -> None:
+    """Reject parameters the optimizer can never update (at construction)."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"parameter '{name}': expected a torch.Tensor, got {type(p).__name__}")
+    if p.is_complex():
+        raise ValueError(f"parameter '{name}': complex parameters are not supported")
+    if not p.is_floating_point():
+        raise ValueError(f"parameter '{name}': dtype {p.dtype} is not a floating-point dtype")
+
+
+def check_grad(slot: Slot) -> None:
+    """Reject a gradient before anything is mutated, naming the parameter."""
+    p, g, name = slot.param, slot.grad, slot.name
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError(f"parameter '{name}': sparse gradients are not supported")
+    if g.is_complex():
+        raise TypeError(f"parameter '{name}': complex gradients are not supported")
+    if p.device.type == "meta" or g.device.type == "meta":
+        raise RuntimeError(
+            f"parameter '{name}': tensors on the meta device cannot be stepped; "
+            "materialise the model (e.g. to_empty + init) first"
+        )
+    if g.shape != p.shape:
+        raise ValueError(
+            f"parameter '{name}': gradient shape {tuple(g.shape)} differs from parameter "
+            f"shape {tuple(p.shape)}"
+        )
+    if g.dtype != p.dtype:
+        raise TypeError(
+            f"parameter '{name}': gradient dtype {g.dtype} differs from parameter dtype {p.dtype}"
+        )
+    if g.device != p.device:
+        raise ValueError(
+            f"parameter '{name}': gradient is on {g.device} but the parameter is on {p.device}"
+        )
+
+
+def collect_slots(param_groups: list[dict]) -> list[Slot]:
+    """Every parameter with a gradient, checked, in group order."""
+    slots = []
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            slot = Slot(group, gi, i, p, p.grad, param_name(group, gi, i))
+            check_grad(slot)
+            slots.append(slot)
+    return slots
+
+
+def as_float(value, what: str) -> float:
+    """A hyper-parameter as a Python float (accepts a one-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{what} must be a float or a one-element tensor")
+        return float(value.item())
+    return float(value)

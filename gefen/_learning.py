@@ -1,0 +1,59 @@
+"""First-step learning shared by every gefen optimizer: periods (ALGORITHM.md §2) and the
+codebook (§3). Each is phase 1 in C (statistics into a flat buffer), an optional reduction
+over ranks, then phase 2 in C; one process passes ``reduce=None``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ._ext import _C
+from ._layout import rows_cols
+
+#: Called with a float64 or int64 CPU tensor to sum in place over the ranks that share it.
+Reducer = Callable[[torch.Tensor], None]
+
+
+def choose_period(
+    name: str,
+    grad: torch.Tensor,
+    global_shape: torch.Size,
+    mode: str,
+    nthreads: int,
+    reduce: Reducer | None = None,
+) -> int:
+    """The period of one parameter from its (local) gradient.
+
+    ``global_shape`` is the parameter's full shape; ``grad`` may be a row shard of it.
+    """
+    rows, cols = rows_cols(global_shape)
+    numel = rows * cols
+    if numel <= 1 or cols <= 1:
+        return 1
+    if mode == "row":
+        return cols
+    cands = torch.tensor(_C.period_candidates(cols, numel), dtype=torch.int64)
+    sums = torch.zeros(len(cands), dtype=torch.float64)
+    counts = torch.zeros(len(cands), dtype=torch.float64)
+    _C.period_stats(name, grad.contiguous(), cands, sums, counts, nthreads)
+    if reduce is not None:
+        reduce(sums)
+        reduce(counts)
+    return _C.period_choose(cols, numel, len(global_shape), cands, sums, counts)
+
+
+def learn_codebook(
+    items: Sequence[tuple[str, torch.Tensor, int]],
+    nthreads: int,
+    reduce: Reducer | None = None,
+) -> torch.Tensor:
+    """The 256-entry codebook learned from ``(name, grad, period)`` items."""
+    hist = torch.zeros(_C.HIST_BINS, dtype=torch.int64)
+    for name, grad, period in items:
+        _C.histogram(name, grad.contiguous(), period, hist, nthreads)
+    if reduce is not None:
+        reduce(hist)
+    codebook = torch.empty(_C.CODEBOOK_SIZE, dtype=torch.float32)
+    _C.codebook_solve(hist, codebook)
+    return codebook
