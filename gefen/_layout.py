@@ -81,11 +81,12 @@ def check_grad(slot: Slot) -> None:
 
 
 def collect_slots(param_groups: list[dict]) -> list[Slot]:
-    """Every parameter with a gradient, checked, in group order."""
+    """Every parameter with a gradient and at least one element, checked, in group order.
+    (A parameter with no elements has nothing to update and gets no state.)"""
     slots = []
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
-            if p.grad is None:
+            if p.grad is None or p.numel() == 0:
                 continue
             slot = Slot(group, gi, i, p, p.grad, param_name(group, gi, i))
             check_grad(slot)

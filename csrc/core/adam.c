@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "core_internal.h"
+#include "block_ops.h"
 #include "kernel_internal.h"
 #include "quantizer_internal.h"
 
@@ -18,7 +19,6 @@ typedef struct {
   float inv_bc1;   /* 1 / (1 - beta1^step) */
   float rs_bc2;    /* 1 / sqrt(1 - beta2^step), block form */
   float eps, lr, decay; /* decay = 1 - lr * weight_decay */
-  double lr_d, decay_d; /* the same for float64 parameters */
   float *scol;     /* factored: sqrt(v_col_j / max(mu, FLT_MIN) / bc2) */
 } adam_consts;
 
@@ -38,13 +38,13 @@ static gefen_status validate_item(const gefen_adam_item *it, int64_t i,
                       (long long)(it->row_offset + it->rows), (long long)it->global_rows);
   if (it->step < 1)
     return gefen_fail_item(err, GEFEN_EVALUE, i, "step must be >= 1, got %lld", (long long)it->step);
-  if (!(it->lr >= 0.0f) || !isfinite(it->lr))
+  if (!(it->lr >= 0.0) || !isfinite(it->lr))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "invalid lr %g", it->lr);
-  if (!(it->beta1 >= 0.0f && it->beta1 < 1.0f) || !(it->beta2 >= 0.0f && it->beta2 < 1.0f))
+  if (!(it->beta1 >= 0.0 && it->beta1 < 1.0) || !(it->beta2 >= 0.0 && it->beta2 < 1.0))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "betas (%g, %g) must lie in [0, 1)", it->beta1, it->beta2);
-  if (!(it->eps > 0.0f) || !isfinite(it->eps))
+  if (!(it->eps > 0.0) || !isfinite(it->eps))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "eps must be finite and > 0, got %g", it->eps);
-  if (!(it->weight_decay >= 0.0f) || !isfinite(it->weight_decay))
+  if (!(it->weight_decay >= 0.0) || !isfinite(it->weight_decay))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "invalid weight_decay %g", it->weight_decay);
   const int factored = it->vmean == NULL;
   if (factored && (!it->v_row || !it->v_col || !it->col_stats || (it->rows > 0 && !it->row_stats)))
@@ -73,22 +73,15 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
 
 /* ----------------------------------------------------- factored phase 1 */
 
-static void factored_stats_rows(const gefen_adam_item *it, int64_t r0, int64_t r1,
-                                double *colsum, double *vrow_sum) {
+static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops *ops,
+                                int64_t r0, int64_t r1, double *colsum, double *vrow_sum) {
   const int64_t cols = it->cols;
-  const float b2 = it->beta2, omb2 = (float)(1.0 - (double)it->beta2);
+  const float b2 = (float)it->beta2, omb2 = (float)(1.0 - it->beta2);
   double vsum = 0.0;
   for (int64_t r = r0; r < r1; r++) {
-    double rs = 0.0;
-    for (int64_t j = 0; j < cols; j++) {
-      float g = gefen_load(it->grad, it->dtype, r * cols + j);
-      float x = g * g;
-      rs += x;
-      colsum[j] += x;
-    }
-    double mean = rs / (double)cols;
+    const double mean = ops->row_stats(it->grad, it->dtype, r * cols, cols, colsum) / (double)cols;
     it->row_stats[r] = mean;
-    float vr = b2 * it->v_row[r] + omb2 * (float)mean;
+    const float vr = b2 * it->v_row[r] + omb2 * (float)mean;
     vsum += vr;
   }
   *vrow_sum += vsum;
@@ -99,6 +92,7 @@ gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
   gefen_status st = gefen_adam_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   const int nt = gefen_threads(nthreads);
+  const gefen_block_ops *ops = gefen_block_ops_for(NULL);
   for (int64_t i = 0; i < n; i++) {
     const gefen_adam_item *it = &items[i];
     if (it->vmean) continue;
@@ -112,7 +106,7 @@ gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (rows * cols > GEFEN_CHUNK_ELEMS)
     for (int64_t c = 0; c < nchunk; c++) {
       double *p = part + c * (cols + 1);
-      factored_stats_rows(it, rows * c / nchunk, rows * (c + 1) / nchunk, p, p + cols);
+      factored_stats_rows(it, ops, rows * c / nchunk, rows * (c + 1) / nchunk, p, p + cols);
     }
     for (int64_t c = 0; c < nchunk; c++) {
       const double *p = part + c * (cols + 1);
@@ -126,19 +120,17 @@ gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
 /* ------------------------------------------------------------- the update */
 
 static void make_consts(const gefen_adam_item *it, adam_consts *k) {
-  const double bc1 = 1.0 - pow((double)it->beta1, (double)it->step);
-  const double bc2 = 1.0 - pow((double)it->beta2, (double)it->step);
-  k->beta1 = it->beta1;
-  k->one_minus_beta1 = (float)(1.0 - (double)it->beta1);
-  k->beta2 = it->beta2;
-  k->one_minus_beta2 = (float)(1.0 - (double)it->beta2);
+  const double bc1 = 1.0 - pow(it->beta1, (double)it->step);
+  const double bc2 = 1.0 - pow(it->beta2, (double)it->step);
+  k->beta1 = (float)it->beta1;
+  k->one_minus_beta1 = (float)(1.0 - it->beta1);
+  k->beta2 = (float)it->beta2;
+  k->one_minus_beta2 = (float)(1.0 - it->beta2);
   k->inv_bc1 = (float)(1.0 / bc1);
   k->rs_bc2 = (float)(1.0 / sqrt(bc2));
-  k->eps = it->eps;
-  k->lr = it->lr;
-  k->lr_d = (double)it->lr;
-  k->decay_d = 1.0 - (double)it->lr * (double)it->weight_decay;
-  k->decay = (float)k->decay_d;
+  k->eps = (float)it->eps;
+  k->lr = (float)it->lr;
+  k->decay = (float)(1.0 - it->lr * it->weight_decay);
   k->scol = NULL;
 }
 
@@ -146,7 +138,7 @@ static void make_consts(const gefen_adam_item *it, adam_consts *k) {
 static void factored_columns(const gefen_adam_item *it, const adam_consts *k,
                              float *scol) {
   const int64_t cols = it->cols;
-  const double bc2 = 1.0 - pow((double)it->beta2, (double)it->step);
+  const double bc2 = 1.0 - pow(it->beta2, (double)it->step);
   const float bc2f = (float)bc2;
   float mu = (float)(it->col_stats[cols] / (double)it->global_rows);
   const float denom = mu > FLT_MIN ? mu : FLT_MIN;
@@ -158,109 +150,32 @@ static void factored_columns(const gefen_adam_item *it, const adam_consts *k,
   }
 }
 
-/* Pass 1 of a block: the new momentum into m, returns max|m| (NaN never
- * wins) and adds sum g^2 to *sq. */
-static GEFEN_ALWAYS_INLINE float momentum_pass(const gefen_adam_item *it,
-                                               const adam_consts *k,
-                                               const float *cb, int64_t base,
-                                               int64_t len, float mag_old,
-                                               float *m, double *sq,
-                                               gefen_dtype dt) {
-  float mx = 0.0f;
-  double acc = 0.0;
-  const uint8_t *codes = it->codes + base;
-  for (int64_t j = 0; j < len; j++) {
-    float g = gefen_load(it->grad, dt, base + j);
-    float mo = cb[codes[j]] * mag_old;
-    float v = k->beta1 * mo + k->one_minus_beta1 * g;
-    m[j] = v;
-    float a = fabsf(v);
-    mx = a > mx ? a : mx;
-    float x = g * g;
-    acc += x;
-  }
-  *sq += acc;
-  return mx;
-}
-
-static GEFEN_ALWAYS_INLINE void store_param(const gefen_adam_item *it,
-                                            const adam_consts *k, int64_t i,
-                                            float delta, gefen_dtype dt) {
-  /* delta = mq * s; p <- p * (1 - lr * wd) - lr * delta, rounded once */
-  switch (dt) {
-    case GEFEN_F32: {
-      float *p = (float *)it->param;
-      p[i] = p[i] * k->decay - k->lr * delta;
-      break;
-    }
-    case GEFEN_BF16: {
-      uint16_t *p = (uint16_t *)it->param;
-      float v = gefen_bf16_to_f32(p[i]);
-      p[i] = gefen_f32_to_bf16(v * k->decay - k->lr * delta);
-      break;
-    }
-    case GEFEN_F16: {
-      uint16_t *p = (uint16_t *)it->param;
-      float v = gefen_f16_to_f32(p[i]);
-      p[i] = gefen_f32_to_f16(v * k->decay - k->lr * delta);
-      break;
-    }
-    case GEFEN_F64: {
-      double *p = (double *)it->param;
-      p[i] = p[i] * k->decay_d - k->lr_d * (double)delta;
-      break;
-    }
-  }
-}
-
-/* Pass 2 of a block: requantise m with magnitude mx, write codes and
- * parameters. scale is the block's step size (block form) or NULL with
- * srow/scol (factored form). */
-static GEFEN_ALWAYS_INLINE void update_pass(const gefen_adam_item *it,
-                                            const adam_consts *k,
-                                            const gefen_quant_table *t,
-                                            int64_t base, int64_t len,
-                                            const float *m, float mx, float s_block,
-                                            float srow, const float *scol,
-                                            int64_t global_base, gefen_dtype dt) {
-  uint8_t *codes = it->codes + base;
-  const float *cb = t->codebook;
-  const int sr = it->stochastic_round;
-  for (int64_t j = 0; j < len; j++) {
-    float u = mx > 0.0f ? m[j] / mx : 0.0f;
-    uint8_t c = sr ? gefen_quant_stochastic(t, u, it->seed, global_base + j)
-                   : gefen_quant_nearest(t, u);
-    codes[j] = c;
-    float mq = cb[c] * mx;
-    float s = scol ? k->inv_bc1 / (srow * scol[j] + k->eps) : s_block;
-    store_param(it, k, base + j, mq * s, dt);
-  }
-}
-
-static GEFEN_ALWAYS_INLINE void block_chunk(const gefen_adam_item *it,
-                                            const adam_consts *k,
-                                            const gefen_quant_table *t,
-                                            int64_t b0, int64_t b1, float *m,
-                                            gefen_dtype dt) {
+static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
+                        const gefen_quantizer *q, const gefen_block_ops *ops, int64_t b0,
+                        int64_t b1, float *m) {
   const int64_t P = it->period, nb = it->cols / P;
   for (int64_t b = b0; b < b1; b++) {
     const int64_t base = b * P;
     double sq = 0.0;
-    const float mx = momentum_pass(it, k, t->codebook, base, P, it->magnitude[b], m, &sq, dt);
+    const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q->table.codebook,
+                                        it->magnitude[b], k->beta1, k->one_minus_beta1, P, m, &sq);
     it->magnitude[b] = mx;
     const float vm = k->beta2 * it->vmean[b] + k->one_minus_beta2 * (float)(sq / (double)P);
     it->vmean[b] = vm;
     const float s = k->inv_bc1 / (sqrtf(vm) * k->rs_bc2 + k->eps);
-    const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
-    update_pass(it, k, t, base, P, m, mx, s, 0.0f, NULL, global_base, dt);
+    if (it->stochastic_round) {
+      const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
+      gefen_requantize_stochastic(q, m, mx, P, it->codes + base, it->seed, global_base);
+    } else {
+      ops->requantize(q, m, mx, P, it->codes + base);
+    }
+    ops->apply_block(it->param, it->dtype, base, m, P, s, k->decay, k->lr);
   }
 }
 
-static GEFEN_ALWAYS_INLINE void factored_chunk(const gefen_adam_item *it,
-                                               const adam_consts *k,
-                                               const gefen_quant_table *t,
-                                               int64_t r0, int64_t r1, float *m,
-                                               gefen_dtype dt) {
+static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
+                           const gefen_quantizer *q, const gefen_block_ops *ops, int64_t r0,
+                           int64_t r1, float *m) {
   const int64_t P = it->period, cols = it->cols;
   for (int64_t r = r0; r < r1; r++) {
     const float vr = k->beta2 * it->v_row[r] + k->one_minus_beta2 * (float)it->row_stats[r];
@@ -269,33 +184,20 @@ static GEFEN_ALWAYS_INLINE void factored_chunk(const gefen_adam_item *it,
     for (int64_t c0 = 0; c0 < cols; c0 += P) {
       const int64_t base = r * cols + c0, b = base / P;
       double sq = 0.0;
-      const float mx = momentum_pass(it, k, t->codebook, base, P, it->magnitude[b], m, &sq, dt);
+      const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base,
+                                          q->table.codebook, it->magnitude[b], k->beta1,
+                                          k->one_minus_beta1, P, m, &sq);
       it->magnitude[b] = mx;
-      const int64_t global_base = (it->row_offset + r) * cols + c0;
-      update_pass(it, k, t, base, P, m, mx, 0.0f, srow, k->scol + c0, global_base, dt);
+      if (it->stochastic_round) {
+        const int64_t global_base = (it->row_offset + r) * cols + c0;
+        gefen_requantize_stochastic(q, m, mx, P, it->codes + base, it->seed, global_base);
+      } else {
+        ops->requantize(q, m, mx, P, it->codes + base);
+      }
+      ops->apply_factored(it->param, it->dtype, base, m, P, srow, k->scol + c0, k->inv_bc1,
+                          k->eps, k->decay, k->lr);
     }
   }
-}
-
-#define DISPATCH_DTYPE(dt, CALL)                     \
-  switch (dt) {                                      \
-    case GEFEN_F32: CALL(GEFEN_F32); break;          \
-    case GEFEN_BF16: CALL(GEFEN_BF16); break;        \
-    case GEFEN_F16: CALL(GEFEN_F16); break;          \
-    case GEFEN_F64: CALL(GEFEN_F64); break;          \
-  }
-
-static void run_chunk(const gefen_adam_item *it, const adam_consts *k,
-                      const gefen_quant_table *t, const gefen_work *w, float *m) {
-#define BLOCK(DT) block_chunk(it, k, t, w->begin, w->end, m, DT)
-#define FACTORED(DT) factored_chunk(it, k, t, w->begin, w->end, m, DT)
-  if (it->vmean) {
-    DISPATCH_DTYPE(it->dtype, BLOCK)
-  } else {
-    DISPATCH_DTYPE(it->dtype, FACTORED)
-  }
-#undef BLOCK
-#undef FACTORED
 }
 
 static void adam_units(const void *items, int64_t i, int64_t *units,
@@ -316,7 +218,7 @@ gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
   gefen_status st = gefen_adam_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
-  const gefen_quant_table *t = gefen_quantizer_table(q);
+  const gefen_block_ops *ops = gefen_block_ops_for(q);
   const int nt = gefen_threads(nthreads);
 
   /* Sizes of the scratch: per-item constants, the factored column factors,
@@ -357,7 +259,11 @@ gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
     float *m = mbuf;
 #endif
     const gefen_work *wk = &wl.items[w];
-    run_chunk(&items[wk->item], &consts[wk->item], t, wk, m);
+    const gefen_adam_item *it = &items[wk->item];
+    if (it->vmean)
+      block_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
+    else
+      factored_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
   }
   free(consts);
   free(scol);

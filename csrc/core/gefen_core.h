@@ -190,7 +190,9 @@ typedef struct {
   int64_t row_offset;      /* global index of the first local row */
   int64_t global_rows;     /* R over all ranks */
   int64_t step;            /* the step count after this step's increment (>= 1) */
-  float lr, beta1, beta2, eps, weight_decay;
+  /* hyper-parameters as the user gave them; the kernels use fp32 values of
+   * beta1, 1 - beta1, ... each rounded once from these doubles */
+  double lr, beta1, beta2, eps, weight_decay;
   int stochastic_round;    /* 0: nearest, 1: §6 with seed */
   uint64_t seed;           /* the global step before increment */
 } gefen_adam_item;
@@ -225,7 +227,7 @@ typedef struct {
   gefen_dtype dtype;
   gefen_dtype out_dtype;
   int64_t rows, cols, period;
-  float beta;         /* momentum */
+  double beta;        /* momentum */
   int nesterov;       /* out = beta * m_q + (1 - beta) * g, else m_q */
 } gefen_muon_item;
 

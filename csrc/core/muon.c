@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "core_internal.h"
+#include "block_ops.h"
 #include "kernel_internal.h"
 #include "quantizer_internal.h"
 
@@ -19,7 +20,7 @@ static gefen_status validate_item(const gefen_muon_item *it, int64_t i,
     return gefen_fail_item(err, GEFEN_EVALUE, i, "shape overflows int64");
   if (it->period < 1 || (it->cols > 0 && it->cols % it->period))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "period %lld does not divide %lld", (long long)it->period, (long long)it->cols);
-  if (!(it->beta >= 0.0f && it->beta < 1.0f))
+  if (!(it->beta >= 0.0 && it->beta < 1.0))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "momentum %g must lie in [0, 1)", it->beta);
   if (it->rows > 0 && it->cols > 0 && (!it->grad || !it->codes || !it->magnitude || !it->out))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "a tensor pointer is NULL");
@@ -38,36 +39,16 @@ gefen_status gefen_muon_validate(const gefen_muon_item *items, int64_t n,
   return GEFEN_OK;
 }
 
-static GEFEN_ALWAYS_INLINE void muon_block(const gefen_muon_item *it,
-                                           const gefen_quant_table *t, int64_t b,
-                                           float *m, gefen_dtype dt) {
+static void muon_block(const gefen_muon_item *it, const gefen_quantizer *q,
+                       const gefen_block_ops *ops, int64_t b, float *m) {
   const int64_t P = it->period, base = b * P;
-  const float *cb = t->codebook;
-  const float beta = it->beta, omb = (float)(1.0 - (double)it->beta);
-  const float mag_old = it->magnitude[b];
-  uint8_t *codes = it->codes + base;
-  float mx = 0.0f;
-  for (int64_t j = 0; j < P; j++) {
-    float g = gefen_load(it->grad, dt, base + j);
-    float mo = cb[codes[j]] * mag_old;
-    float v = mo + omb * (g - mo);
-    m[j] = v;
-    float a = fabsf(v);
-    mx = a > mx ? a : mx; /* NaN never wins */
-  }
+  const float omb = (float)(1.0 - it->beta);
+  const float mx = ops->muon_momentum(it->grad, it->dtype, base, it->codes + base, q->table.codebook,
+                                      it->magnitude[b], omb, P, m);
   it->magnitude[b] = mx;
-  for (int64_t j = 0; j < P; j++) {
-    float u = mx > 0.0f ? m[j] / mx : 0.0f;
-    uint8_t c = gefen_quant_nearest(t, u);
-    codes[j] = c;
-    float mq = cb[c] * mx;
-    float o = mq;
-    if (it->nesterov) o = beta * mq + omb * gefen_load(it->grad, dt, base + j);
-    if (it->out_dtype == GEFEN_F32)
-      ((float *)it->out)[base + j] = o;
-    else
-      ((uint16_t *)it->out)[base + j] = gefen_f32_to_bf16(o);
-  }
+  ops->requantize(q, m, mx, P, it->codes + base);
+  ops->muon_output(it->out, it->out_dtype, it->grad, it->dtype, base, m, P, (float)it->beta, omb,
+                   it->nesterov);
 }
 
 static void muon_units(const void *items, int64_t i, int64_t *units,
@@ -83,7 +64,7 @@ gefen_status gefen_muon_momentum(const gefen_muon_item *items, int64_t n,
   gefen_status st = gefen_muon_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
-  const gefen_quant_table *t = gefen_quantizer_table(q);
+  const gefen_block_ops *ops = gefen_block_ops_for(q);
   const int nt = gefen_threads(nthreads);
   int64_t max_period = 1;
   for (int64_t i = 0; i < n; i++)
@@ -105,14 +86,7 @@ gefen_status gefen_muon_momentum(const gefen_muon_item *items, int64_t n,
 #endif
     const gefen_work *wk = &wl.items[w];
     const gefen_muon_item *it = &items[wk->item];
-    for (int64_t b = wk->begin; b < wk->end; b++) {
-      switch (it->dtype) {
-        case GEFEN_F32: muon_block(it, t, b, m, GEFEN_F32); break;
-        case GEFEN_BF16: muon_block(it, t, b, m, GEFEN_BF16); break;
-        case GEFEN_F16: muon_block(it, t, b, m, GEFEN_F16); break;
-        case GEFEN_F64: muon_block(it, t, b, m, GEFEN_F64); break;
-      }
-    }
+    for (int64_t b = wk->begin; b < wk->end; b++) muon_block(it, q, ops, b, m);
   }
   free(mbuf);
   gefen_work_free(&wl);

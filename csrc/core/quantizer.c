@@ -76,6 +76,12 @@ gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out
   gefen_quantizer *q = calloc(1, sizeof *q);
   if (!q) return gefen_fail(err, GEFEN_ENOMEM, "quantizer: out of memory");
   build_table(&q->table, codebook);
+  for (int k = 0; k < GEFEN_CODEBOOK_SIZE; k++) {
+    uint32_t lo, hi;
+    memcpy(&lo, &q->table.value[k], sizeof lo);
+    memcpy(&hi, &q->table.value[k + 1], sizeof hi);
+    q->pair[k] = (uint64_t)lo | ((uint64_t)hi << 32);
+  }
   *out = q;
   return GEFEN_OK;
 }

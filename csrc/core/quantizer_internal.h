@@ -6,6 +6,9 @@
 
 struct gefen_quantizer {
   gefen_quant_table table;
+  /* pair[k] = value[k] | value[k + 1] << 32 (as bits): both candidates of a
+   * bucket in one 64-bit gather for the SIMD search */
+  uint64_t pair[GEFEN_CODEBOOK_SIZE];
 };
 
 uint8_t gefen_quantize_reference(const float *codebook, float u);

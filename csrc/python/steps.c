@@ -131,7 +131,7 @@ static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **na
     PyErr_SetString(PyExc_TypeError, "a step item must be a tuple");
     return -1;
   }
-  if (!PyArg_ParseTuple(tuple, "UOOOOOOOOOLLLLfffffpK;a Gefen step item", &name_obj, &p_obj,
+  if (!PyArg_ParseTuple(tuple, "UOOOOOOOOOLLLLdddddpK;a Gefen step item", &name_obj, &p_obj,
                         &g_obj, &codes_obj, &mag_obj, &vmean_obj, &vrow_obj, &vcol_obj,
                         &cstats_obj, &rstats_obj, &period, &row_offset, &global_rows, &step,
                         &it->lr, &it->beta1, &it->beta2, &it->eps, &it->weight_decay, &sr,
@@ -270,7 +270,7 @@ static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **na
     PyErr_SetString(PyExc_TypeError, "a momentum item must be a tuple");
     return -1;
   }
-  if (!PyArg_ParseTuple(tuple, "UOOOOLfp;a GefenMuon momentum item", &name_obj, &g_obj,
+  if (!PyArg_ParseTuple(tuple, "UOOOOLdp;a GefenMuon momentum item", &name_obj, &g_obj,
                         &codes_obj, &mag_obj, &out_obj, &period, &it->beta, &nesterov))
     return -1;
   *name = PyUnicode_AsUTF8(name_obj);

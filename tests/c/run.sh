@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds and runs the core's C tests.
+#   tests/c/run.sh            optimised build (-O2, OpenMP)
+#   tests/c/run.sh sanitize   AddressSanitizer + UndefinedBehaviorSanitizer build
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+mode=${1:-release}
+out="$root/tests/c/build/$mode"
+mkdir -p "$out"
+cc=${CC:-gcc}
+cflags=(-std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -ffp-contract=off -fopenmp
+        -I "$root/csrc/core")
+case "$mode" in
+  release) cflags+=(-O2 -g) ;;
+  sanitize) cflags+=(-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined
+                     -fno-sanitize-recover=all) ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
+esac
+core=("$root"/csrc/core/*.c)
+status=0
+for test in "$root"/tests/c/test_*.c; do
+  name=$(basename "$test" .c)
+  "$cc" "${cflags[@]}" "$test" "${core[@]}" -o "$out/$name" -lm
+  echo "== $name ($mode)"
+  if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/$name"; then
+    echo "!! $name failed" >&2
+    status=1
+  fi
+done
+exit $status

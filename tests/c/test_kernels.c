@@ -1,0 +1,421 @@
+/* C tests of the core's quantiser, element kernels and period search.
+ *
+ * - the lookup-table quantiser against a brute-force statement of the
+ *   reference rule, on learned, padded and tightly packed codebooks;
+ * - the AVX-512 block primitives against the portable ones, bit for bit;
+ * - dtype conversions against exhaustive / double-precision references;
+ * - period candidates and choice, validation errors and their item index. */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "block_ops.h"
+#include "gefen_core.h"
+
+static int failures = 0;
+#define CHECK(cond, ...)                                     \
+  do {                                                       \
+    if (!(cond)) {                                           \
+      failures++;                                            \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
+      fprintf(stderr, __VA_ARGS__);                          \
+      fprintf(stderr, "\n");                                 \
+      if (failures > 20) exit(1);                            \
+    }                                                        \
+  } while (0)
+
+/* xorshift64*: deterministic test data. */
+static uint64_t rng_state = 0x243F6A8885A308D3ull;
+static uint64_t rng(void) {
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return rng_state * 0x2545F4914F6CDD1Dull;
+}
+static float uniform(float lo, float hi) {
+  return lo + (hi - lo) * (float)((rng() >> 40) * (1.0 / 16777216.0));
+}
+static float normal(void) {
+  float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 1.0f);
+  return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
+}
+
+/* The rule of ALGORITHM.md §3 by a linear scan. */
+static uint8_t brute_nearest(const float *c, float u) {
+  int r = 255;
+  for (int i = 0; i < 256; i++)
+    if (c[i] >= u) {
+      r = i;
+      break;
+    }
+  int l = r > 0 ? r - 1 : 0;
+  return (uint8_t)(fabsf(u - c[l]) <= fabsf(u - c[r]) ? l : r);
+}
+
+/* A learned codebook: the exact solver on a random bell-shaped histogram. */
+static void learned_codebook(float *c, int active_bins) {
+  int64_t hist[GEFEN_HIST_BINS] = {0};
+  for (int i = 0; i < active_bins; i++) {
+    int bin = (int)(rng() % GEFEN_HIST_BINS);
+    double x = -1.0 + (bin + 0.5) / 2048.0;
+    hist[bin] += 1 + (int64_t)(1000.0 * exp(-8.0 * x * x)) + (int64_t)(rng() % 7);
+  }
+  gefen_error err;
+  gefen_status st = gefen_codebook_solve(hist, c, &err);
+  CHECK(st == GEFEN_OK, "solve: %s", err.msg);
+}
+
+static void probe_values(const float *c, float *out, int *n, int cap) {
+  int k = 0;
+  for (int i = 0; i < 256 && k + 8 < cap; i++) {
+    out[k++] = c[i];
+    out[k++] = nextafterf(c[i], -2.0f);
+    out[k++] = nextafterf(c[i], 2.0f);
+    if (i < 255) {
+      float mid = 0.5f * (c[i] + c[i + 1]);
+      out[k++] = mid;
+      out[k++] = nextafterf(mid, -2.0f);
+      out[k++] = nextafterf(mid, 2.0f);
+    }
+  }
+  for (int b = 0; b <= GEFEN_LUT_BUCKETS && k + 3 < cap; b += 7) { /* bucket edges */
+    float e = -1.0f + (float)b / (GEFEN_LUT_BUCKETS / 2);
+    out[k++] = e;
+    out[k++] = nextafterf(e, -2.0f);
+    out[k++] = nextafterf(e, 2.0f);
+  }
+  while (k < cap) out[k++] = uniform(-1.0f, 1.0f);
+  out[0] = 0.0f;
+  out[1] = -0.0f;
+  out[2] = -1.0f;
+  out[3] = 1.0f;
+  out[4] = 1e-30f;
+  out[5] = -1e-30f;
+  *n = k;
+}
+
+static void test_quantizer_on(const float *c, int expect_exact) {
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  if (!q) return;
+  CHECK(gefen_quantizer_table(q)->exact_lut == expect_exact, "exact_lut %d, expected %d",
+        gefen_quantizer_table(q)->exact_lut, expect_exact);
+  enum { CAP = 20000 };
+  static float u[CAP];
+  int n;
+  probe_values(c, u, &n, CAP);
+  for (int i = 0; i < n; i++) {
+    uint8_t a = gefen_quantize_nearest(q, u[i]), b = brute_nearest(c, u[i]);
+    CHECK(a == b, "nearest(%.9g) = %d, rule says %d", u[i], a, b);
+  }
+  CHECK(gefen_quantize_nearest(q, NAN) == 255, "NaN must map to 255");
+  CHECK(gefen_quantize_nearest(q, INFINITY) == brute_nearest(c, INFINITY), "+inf");
+  CHECK(gefen_quantize_nearest(q, -INFINITY) == 0, "-inf");
+
+  /* the SIMD requantisation gives the same codes and values as the scalar */
+  const gefen_block_ops *simd = gefen_block_ops_avx512();
+  if (simd && expect_exact) {
+    static float m1[CAP], m2[CAP];
+    static uint8_t c1[CAP], c2[CAP];
+    for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
+    m1[n / 2] = m2[n / 2] = NAN;
+    for (int len = 1; len <= 40; len++) {
+      gefen_block_ops_scalar.requantize(q, m1, 3.5f, len, c1);
+      simd->requantize(q, m2, 3.5f, len, c2);
+      CHECK(memcmp(c1, c2, (size_t)len) == 0, "requantize codes differ (len %d)", len);
+      for (int i = 0; i < len; i++) m1[i] = m2[i] = u[i] * 3.5f;
+    }
+    gefen_block_ops_scalar.requantize(q, m1, 3.5f, n, c1);
+    simd->requantize(q, m2, 3.5f, n, c2);
+    CHECK(memcmp(c1, c2, (size_t)n) == 0, "requantize codes differ");
+    CHECK(memcmp(m1, m2, sizeof(float) * (size_t)n) == 0, "requantize values differ");
+  }
+  gefen_quantizer_destroy(q);
+}
+
+static void test_quantizer(void) {
+  float c[256];
+  for (int trial = 0; trial < 6; trial++) {
+    learned_codebook(c, 3000 + trial * 100);
+    test_quantizer_on(c, 1);
+  }
+  learned_codebook(c, 40); /* fewer than 256 active bins: padded, repeated entries */
+  test_quantizer_on(c, 1);
+  /* a valid codebook packed tighter than one bucket: binary-search fallback */
+  for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+  for (int i = 100; i < 110; i++) c[i] = c[100] + (float)(i - 100) * 1e-5f;
+  test_quantizer_on(c, 0);
+  /* invalid codebooks are refused */
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  c[0] = -0.5f;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_EVALUE && !q, "first entry must be -1");
+  c[0] = -1.0f;
+  c[50] = c[49] - 0.1f;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_EVALUE && !q, "unsorted codebook");
+}
+
+/* ----------------------------------------------------------- SIMD vs scalar */
+
+static void fill_grad(void *g, gefen_dtype dt, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; i++) {
+    float v = normal() * scale;
+    switch (dt) {
+      case GEFEN_F32: ((float *)g)[i] = v; break;
+      case GEFEN_BF16: {
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof bits);
+        ((uint16_t *)g)[i] = (uint16_t)(bits >> 16);
+        break;
+      }
+      case GEFEN_F16: {
+        /* a float16 bit pattern with a moderate exponent */
+        uint16_t h = (uint16_t)((rng() & 0x83ff) | ((10 + rng() % 10) << 10));
+        ((uint16_t *)g)[i] = h;
+        break;
+      }
+      case GEFEN_F64: ((double *)g)[i] = v; break;
+    }
+  }
+}
+
+static void test_simd_blocks(void) {
+  const gefen_block_ops *simd = gefen_block_ops_avx512();
+  if (!simd) {
+    printf("  (no AVX-512 on this CPU: SIMD comparison skipped)\n");
+    return;
+  }
+  float c[256];
+  learned_codebook(c, 3500);
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create");
+  const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
+  const int64_t lens[] = {1, 5, 16, 17, 27, 64, 100, 768, 2048, 3072};
+  enum { MAXL = 3072 };
+  static float m1[MAXL], m2[MAXL], scol[MAXL];
+  static uint8_t codes[MAXL], c1[MAXL], c2[MAXL];
+  static uint16_t g16[MAXL], p16a[MAXL], p16b[MAXL], o16a[MAXL], o16b[MAXL];
+  static float g32[MAXL], p32a[MAXL], p32b[MAXL];
+  static double cs1[MAXL], cs2[MAXL];
+  for (int d = 0; d < 3; d++) {
+    const gefen_dtype dt = dts[d];
+    void *g = dt == GEFEN_F32 ? (void *)g32 : (void *)g16;
+    void *pa = dt == GEFEN_F32 ? (void *)p32a : (void *)p16a;
+    void *pb = dt == GEFEN_F32 ? (void *)p32b : (void *)p16b;
+    const size_t esz = dt == GEFEN_F32 ? 4 : 2;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+      const int64_t len = lens[li];
+      fill_grad(g, dt, len, 0.01f);
+      fill_grad(pa, dt, len, 1.0f);
+      memcpy(pb, pa, esz * (size_t)len);
+      for (int64_t j = 0; j < len; j++) {
+        codes[j] = (uint8_t)(rng() & 0xff);
+        scol[j] = uniform(0.001f, 0.1f);
+      }
+      double sq1 = 0, sq2 = 0;
+      float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f,
+                                                       len, m1, &sq1);
+      float mx2 = simd->adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
+      CHECK(mx1 == mx2, "adam_momentum max differs (dt %d len %lld)", dt, (long long)len);
+      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "adam_momentum m differs (dt %d len %lld)", dt,
+            (long long)len);
+      CHECK(fabs(sq1 - sq2) <= 1e-5 * fabs(sq1), "sum of squares %.9g vs %.9g", sq1, sq2);
+      gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
+      simd->requantize(q, m2, mx2, len, c2);
+      CHECK(memcmp(c1, c2, (size_t)len) == 0, "codes differ (dt %d len %lld)", dt, (long long)len);
+      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "dequantised values differ");
+      gefen_block_ops_scalar.apply_block(pa, dt, 0, m1, len, 0.7f, 0.999f, 1e-3f);
+      simd->apply_block(pb, dt, 0, m2, len, 0.7f, 0.999f, 1e-3f);
+      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0, "apply_block differs (dt %d len %lld)", dt,
+            (long long)len);
+      gefen_block_ops_scalar.apply_factored(pa, dt, 0, m1, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f,
+                                            1e-3f);
+      simd->apply_factored(pb, dt, 0, m2, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f, 1e-3f);
+      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0, "apply_factored differs (dt %d len %lld)",
+            dt, (long long)len);
+      for (int64_t j = 0; j < len; j++) cs1[j] = cs2[j] = 0.5;
+      double r1 = gefen_block_ops_scalar.row_stats(g, dt, 0, len, cs1);
+      double r2 = simd->row_stats(g, dt, 0, len, cs2);
+      CHECK(fabs(r1 - r2) <= 1e-5 * fabs(r1), "row sums %.9g vs %.9g", r1, r2);
+      CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "column sums differ");
+      /* GefenMuon momentum and its Newton-Schulz input */
+      mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m1);
+      mx2 = simd->muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m2);
+      CHECK(mx1 == mx2 && memcmp(m1, m2, 4 * (size_t)len) == 0, "muon_momentum differs");
+      for (int nesterov = 0; nesterov < 2; nesterov++) {
+        gefen_block_ops_scalar.muon_output(o16a, GEFEN_BF16, g, dt, 0, m1, len, 0.95f, 0.05f,
+                                           nesterov);
+        simd->muon_output(o16b, GEFEN_BF16, g, dt, 0, m2, len, 0.95f, 0.05f, nesterov);
+        CHECK(memcmp(o16a, o16b, 2 * (size_t)len) == 0, "muon_output bf16 differs");
+      }
+    }
+  }
+  gefen_quantizer_destroy(q);
+}
+
+/* ------------------------------------------------------------ conversions */
+
+static void test_conversions(void) {
+  /* every bfloat16 and float16 value survives fp32 and back */
+  for (uint32_t h = 0; h < 65536; h++) {
+    const float fb = gefen_bf16_to_f32((uint16_t)h);
+    if (!isnan(fb)) CHECK(gefen_f32_to_bf16(fb) == h, "bf16 round trip %04x", h);
+    const float fh = gefen_f16_to_f32((uint16_t)h);
+    if (!isnan(fh)) CHECK(gefen_f32_to_f16(fh) == h, "f16 round trip %04x", h);
+    else CHECK(isnan(gefen_f16_to_f32(gefen_f32_to_f16(fh))), "f16 NaN stays NaN");
+  }
+  /* float16 decoding against ldexp */
+  for (uint32_t h = 0; h < 0x7c00; h++) {
+    const uint32_t e = h >> 10, m = h & 0x3ff;
+    const double want = e ? ldexp(1.0 + m / 1024.0, (int)e - 15) : ldexp((double)m, -24);
+    CHECK(gefen_f16_to_f32((uint16_t)h) == (float)want, "f16 decode %04x", h);
+  }
+  /* rounding to nearest even: the result is the nearer neighbour */
+  for (int i = 0; i < 200000; i++) {
+    uint32_t bits = (uint32_t)rng();
+    float f;
+    memcpy(&f, &bits, 4);
+    if (isnan(f) || isinf(f)) continue;
+    const uint16_t b = gefen_f32_to_bf16(f);
+    const float fb = gefen_bf16_to_f32(b);
+    if (isinf(fb) || (b & 0x7fff) == 0 || (b & 0x7fff) >= 0x7f7f) continue; /* no neighbours */
+    const float lo = gefen_bf16_to_f32((uint16_t)(b - 1)), hi = gefen_bf16_to_f32((uint16_t)(b + 1));
+    const double err = fabs((double)f - fb);
+    CHECK(err <= fabs((double)f - lo) && err <= fabs((double)f - hi), "bf16 rounding of %a", f);
+    if (fabsf(f) < 60000.0f) {
+      const uint16_t h = gefen_f32_to_f16(f);
+      const double eh = fabs((double)f - gefen_f16_to_f32(h));
+      if ((h & 0x7fff) < 0x7bff && (h & 0x7fff) > 0) {
+        const double e_lo = fabs((double)f - gefen_f16_to_f32((uint16_t)(h - 1)));
+        const double e_hi = fabs((double)f - gefen_f16_to_f32((uint16_t)(h + 1)));
+        CHECK(eh <= e_lo && eh <= e_hi, "f16 rounding of %a", f);
+      }
+    }
+  }
+  CHECK(gefen_f32_to_f16(70000.0f) == 0x7c00, "f16 overflow to inf");
+  CHECK(gefen_f32_to_bf16(-0.0f) == 0x8000, "bf16 negative zero");
+}
+
+/* ------------------------------------------------------------ period search */
+
+static void test_periods(void) {
+  int64_t out[64];
+  int64_t n = gefen_period_candidates(12, 48, out, 64);
+  const int64_t want12[] = {1, 2, 3, 4, 6, 12};
+  CHECK(n == 6 && memcmp(out, want12, sizeof want12) == 0, "candidates of 12");
+  n = gefen_period_candidates(12, 12, out, 64); /* d = numel excluded */
+  CHECK(n == 5 && out[4] == 6, "candidates of a 1 x 12 parameter");
+  n = gefen_period_candidates(36, 72, out, 64);
+  const int64_t want36[] = {1, 2, 3, 4, 6, 9, 12, 18, 36};
+  CHECK(n == 9 && memcmp(out, want36, sizeof want36) == 0, "candidates of 36 (square)");
+  CHECK(gefen_period_candidates(7, 1, out, 64) == 0, "numel 1 has no candidates");
+  CHECK(gefen_period_candidates(1000000007LL, 2000000014LL, out, 64) == 2, "a large prime");
+
+  /* S = 48, every block of 16 has its own scale: err(d) = 0 for d | 16, and
+   * blocks of 3, 6, 12 straddle 16-boundaries, so the largest drop of the
+   * error, s(16) = -err(12), is at 16 (the worked case of tests/test_reference.py) */
+  enum { R = 8, S = 48 };
+  static float g[R * S];
+  for (int r = 0; r < R; r++)
+    for (int b = 0; b < S / 16; b++) {
+      const float scale = uniform(0.5f, 3.0f);
+      for (int j = 0; j < 16; j++) g[r * S + b * 16 + j] = scale;
+    }
+  gefen_matrix mat = {g, GEFEN_F32, R, S};
+  n = gefen_period_candidates(S, R * S, out, 64);
+  double sums[64] = {0}, counts[64] = {0};
+  gefen_error err;
+  CHECK(gefen_period_stats(&mat, out, n, sums, counts, 2, &err) == GEFEN_OK, "%s", err.msg);
+  int64_t period = 0;
+  CHECK(gefen_period_choose(S, R * S, 2, out, n, sums, counts, &period, &err) == GEFEN_OK, "%s",
+        err.msg);
+  CHECK(period == 16, "structured gradient: period %lld, expected 16", (long long)period);
+  /* a constant gradient has no structure: the 2-D fallback is the whole row */
+  for (int i = 0; i < R * S; i++) g[i] = 0.5f;
+  memset(sums, 0, sizeof sums);
+  memset(counts, 0, sizeof counts);
+  gefen_period_stats(&mat, out, n, sums, counts, 1, &err);
+  gefen_period_choose(S, R * S, 2, out, n, sums, counts, &period, &err);
+  CHECK(period == S, "no structure, 2-D: period %lld, expected %d", (long long)period, S);
+  gefen_period_choose(S, R * S, 3, out, n, sums, counts, &period, &err);
+  CHECK(period == 48, "no structure, 3-D: largest divisor <= 2048 is 48, got %lld",
+        (long long)period);
+  const int64_t big = 3 * 4096; /* 3-D, S = 12288: the largest divisor <= 2048 is 2048 */
+  int64_t cands_big[1] = {1};
+  double zero[1] = {0}, one[1] = {1};
+  gefen_period_choose(big, 2 * big, 3, cands_big, 1, zero, one, &period, &err);
+  CHECK(period == 2048, "fallback divisor of 12288: %lld", (long long)period);
+  gefen_period_choose(1, 5, 1, NULL, 0, NULL, NULL, &period, &err);
+  CHECK(period == 1, "1-D parameters use period 1");
+  CHECK(gefen_period_stats(&mat, (int64_t[]){5}, 1, sums, counts, 1, &err) == GEFEN_EVALUE,
+        "a candidate that does not divide S is refused");
+}
+
+/* ------------------------------------------------------------ validation */
+
+static void test_validation(void) {
+  float param[12] = {0}, grad[12] = {0}, mag[3] = {0}, vmean[3] = {0};
+  uint8_t codes[12] = {0};
+  gefen_adam_item items[2];
+  memset(items, 0, sizeof items);
+  for (int i = 0; i < 2; i++) {
+    items[i] = (gefen_adam_item){.param = param, .grad = grad, .codes = codes, .magnitude = mag,
+                                 .vmean = vmean, .dtype = GEFEN_F32, .rows = 3, .cols = 4,
+                                 .period = 4, .global_rows = 3, .step = 1, .lr = 1e-3f,
+                                 .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+  }
+  gefen_error err;
+  CHECK(gefen_adam_validate(items, 2, &err) == GEFEN_OK, "%s", err.msg);
+  CHECK(err.item == -1, "no item on success");
+  items[1].period = 3;
+  CHECK(gefen_adam_validate(items, 2, &err) == GEFEN_EVALUE && err.item == 1,
+        "period 3 of 4 columns must fail on item 1 (item %lld: %s)", (long long)err.item, err.msg);
+  items[1].period = 4;
+  items[1].beta2 = 1.0f;
+  CHECK(gefen_adam_validate(items, 2, &err) == GEFEN_EVALUE && strstr(err.msg, "betas"),
+        "beta2 = 1 must fail");
+  items[1].beta2 = 0.999f;
+  items[0].eps = 0.0f;
+  CHECK(gefen_adam_validate(items, 2, &err) == GEFEN_EVALUE && err.item == 0, "eps = 0 must fail");
+  items[0].eps = 1e-8f;
+  items[0].v_row = mag;
+  CHECK(gefen_adam_validate(items, 2, &err) == GEFEN_EVALUE, "block and factored together");
+  items[0].v_row = NULL;
+  /* a failed update touches nothing */
+  param[0] = 1.0f;
+  grad[0] = 1.0f;
+  items[1].step = 0;
+  float c[256];
+  learned_codebook(c, 3000);
+  gefen_quantizer *q = NULL;
+  gefen_quantizer_create(c, &q, &err);
+  CHECK(gefen_adam_update(items, 2, q, 1, &err) == GEFEN_EVALUE, "step 0 must fail");
+  CHECK(param[0] == 1.0f && mag[0] == 0.0f && codes[0] == 0, "nothing mutated on failure");
+  items[1].step = 1;
+  CHECK(gefen_adam_update(items, 1, q, 1, &err) == GEFEN_OK, "%s", err.msg);
+  CHECK(param[0] < 1.0f && mag[0] > 0.0f, "a valid update moves the parameter");
+  gefen_quantizer_destroy(q);
+}
+
+int main(void) {
+  printf("test_kernels: quantizer\n");
+  test_quantizer();
+  printf("test_kernels: SIMD vs portable blocks\n");
+  test_simd_blocks();
+  printf("test_kernels: dtype conversions\n");
+  test_conversions();
+  printf("test_kernels: period search\n");
+  test_periods();
+  printf("test_kernels: validation\n");
+  test_validation();
+  if (failures) {
+    fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
+    return 1;
+  }
+  printf("test_kernels: all passed\n");
+  return 0;
+}
