@@ -1,0 +1,483 @@
+"""gefen.Gefen as a torch.optim optimizer: construction, groups, schedulers, closures,
+GradScaler, checkpoints (bitwise continuation, fail-before-mutation loads) and bad input."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import gefen
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 3)
+    )
+
+
+_TEACHER = torch.randn(12, 3, generator=torch.Generator().manual_seed(1234))
+
+
+def _batch(seed):
+    """A learnable regression task: y = tanh(x W) + noise."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 12, generator=gen)
+    return x, torch.tanh(x @ _TEACHER) + 0.05 * torch.randn(64, 3, generator=gen)
+
+
+def _train(model, opt, steps, start=0):
+    for i in range(start, start + steps):
+        x, y = _batch(i)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _snapshot(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    return params, state
+
+
+def _assert_same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        sa, sb = a["state"][k], b["state"][k]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert torch.equal(sa[key], sb[key]), key
+            else:
+                assert sa[key] == sb[key], key
+
+
+# ----------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(lr=-1.0), ValueError, "learning rate"),
+        (dict(lr=float("nan")), ValueError, "learning rate"),
+        (dict(betas=(1.0, 0.999)), ValueError, "beta parameter at index 0"),
+        (dict(betas=(0.9, -0.1)), ValueError, "beta parameter at index 1"),
+        (dict(eps=0.0), ValueError, "epsilon"),
+        (dict(eps=float("inf")), ValueError, "epsilon"),
+        (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+        (dict(period="block"), ValueError, "period"),
+        (dict(codebook_refresh_every=-1), ValueError, "codebook_refresh_every"),
+        (dict(codebook_refresh_every=1.5), TypeError, "codebook_refresh_every"),
+        (dict(fused=False), ValueError, "fused"),
+        (dict(lr=torch.tensor([1.0, 2.0])), ValueError, "one-element"),
+    ],
+)
+def test_constructor_rejects_bad_hyperparameters(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        gefen.Gefen([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_constructor_rejects_bad_params():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        gefen.Gefen([])
+    with pytest.raises(TypeError):
+        gefen.Gefen(torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(TypeError, match="Tensor"):
+        gefen.Gefen([1.0, 2.0])
+    with pytest.raises(ValueError, match="'w'.*complex"):
+        gefen.Gefen([("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))])
+    with pytest.raises(ValueError, match="floating-point"):
+        gefen.Gefen([torch.zeros(3, dtype=torch.int64)])
+
+
+def test_named_parameters_and_groups():
+    model = _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-3)
+    assert opt.param_groups[0]["param_names"][0] == "0.weight"
+    opt = gefen.Gefen(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2, "weight_decay": 0.1},
+            {"params": model[3].parameters(), "factored": False},
+        ],
+        lr=1e-3,
+    )
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[1]["lr"] == 1e-3
+    opt.add_param_group({"params": model[2].parameters(), "lr": 5e-3})
+    assert len(opt.param_groups) == 3
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -1})
+    assert len(opt.param_groups) == 3  # a rejected group is not kept
+    _train(model, opt, 3)
+    assert opt.state[model[0].weight]["factored"] == 1
+    assert opt.state[model[3].weight]["factored"] == 0
+    assert "vmean" in opt.state[model[3].weight]
+
+
+def test_gefen_trains_like_adamw():
+    model_a, model_g = _model(1), _model(1)
+    adamw = torch.optim.AdamW(model_a.parameters(), lr=3e-3)
+    gef = gefen.Gefen(model_g.parameters(), lr=3e-3)
+    _train(model_a, adamw, 60)
+    _train(model_g, gef, 60)
+    x, y = _batch(1000)
+    la = torch.nn.functional.mse_loss(model_a(x), y).item()
+    lg = torch.nn.functional.mse_loss(model_g(x), y).item()
+    x0 = torch.nn.functional.mse_loss(_model(1)(x), y).item()
+    assert lg < 0.3 * x0, (lg, x0)
+    assert lg < 1.25 * la, (lg, la)
+
+
+# ----------------------------------------------------------------- step behaviour
+
+
+def test_tensor_lr_and_scheduler_change_the_update():
+    p = torch.nn.Parameter(torch.ones(4, 8))
+    opt = gefen.Gefen([p], lr=torch.tensor(0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    deltas = []
+    for _ in range(3):
+        before = p.detach().clone()
+        p.grad = torch.ones_like(p)
+        opt.step()
+        sched.step()
+        deltas.append((before - p.detach()).abs().max().item())
+    # constant gradient: Adam's step is ~lr each time, so the steps halve with lr
+    assert deltas[1] == pytest.approx(deltas[0] / 2, rel=0.05)
+    assert deltas[2] == pytest.approx(deltas[0] / 4, rel=0.05)
+
+
+def test_closure_and_params_without_grad():
+    model = _model()
+    frozen = model[3].bias
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    x, y = _batch(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        frozen.grad = None
+        return loss
+
+    before = frozen.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert torch.equal(frozen.detach(), before)
+    assert frozen not in opt.state
+
+
+def test_zero_grad_zero_lr_step_learns_nothing():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    assert len(opt.state) == 0 and opt._codebook is None and opt._global_step == 0
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(0.0)  # what get_optimizer_state_dict uses for tensor lrs
+    opt.step()
+    assert len(opt.state) == 0
+    for g in opt.param_groups:
+        g["lr"] = 1e-2
+    _train(model, opt, 1)
+    assert len(opt.state) == len(list(model.parameters()))
+    assert all(st["step"] == 1 and st["global_step"] == 1 for st in opt.state.values())
+
+
+def test_grad_scaler_inf_step_leaves_everything_untouched():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x, y = _batch(0)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+    params, state = _snapshot(model, opt)
+    opt.zero_grad()
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), q)
+    _assert_same_state(opt.state_dict(), state)
+    assert scaler.get_scale() == 512.0
+
+
+def test_weight_decay_is_decoupled():
+    p = torch.nn.Parameter(torch.full((4, 4), 2.0))
+    opt = gefen.Gefen([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros_like(p)
+    p.grad[0, 0] = 1.0  # a non-zero gradient so this is a real step
+    opt.step()
+    # elements with zero gradient and zero momentum move only by the decay
+    assert p[1, 1].item() == pytest.approx(2.0 * (1 - 0.1 * 0.5), rel=1e-6)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    outs = []
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            p = torch.nn.Parameter(torch.randn(300, 257, generator=torch.Generator().manual_seed(0)))
+            opt = gefen.Gefen([p], lr=1e-2)
+            for i in range(3):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i + 1))
+                opt.step()
+            outs.append((p.detach().clone(), copy.deepcopy(opt.state_dict())))
+        finally:
+            torch.set_num_threads(old)
+    assert torch.equal(outs[0][0], outs[1][0])
+    _assert_same_state(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_non_contiguous_params_and_grads_are_updated_correctly(dtype):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(10, 6, generator=gen).to(dtype)
+    p_t = torch.nn.Parameter(base.t().clone().t().contiguous().t())  # shape (6, 10), strided
+    p_t.data = base.t()  # a transposed, non-contiguous view
+    p_c = torch.nn.Parameter(base.t().contiguous())
+    assert not p_t.is_contiguous() and torch.equal(p_t.detach(), p_c.detach())
+    opt_t = gefen.Gefen([p_t], lr=1e-2)
+    opt_c = gefen.Gefen([p_c], lr=1e-2)
+    for i in range(3):
+        g = torch.randn(10, 6, generator=gen).to(dtype)
+        p_t.grad = g.t()  # non-contiguous gradient too
+        p_c.grad = g.t().contiguous()
+        opt_t.step()
+        opt_c.step()
+    assert torch.equal(p_t.detach(), p_c.detach())
+    assert torch.equal(opt_t.state[p_t]["codes"], opt_c.state[p_c]["codes"])
+
+
+# ----------------------------------------------------------------- bad input at step
+
+
+def _assert_untouched(model, opt, params, state):
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p.detach(), q)
+    _assert_same_state(opt.state_dict(), state)
+
+
+def test_sparse_gradient_is_rejected_before_mutation():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    lin = torch.nn.Linear(4, 2)
+    model = torch.nn.ModuleList([lin, emb])
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    lin.weight.grad = torch.randn_like(lin.weight)
+    lin.bias.grad = torch.randn_like(lin.bias)
+    emb(torch.tensor([1, 2])).sum().backward()
+    params, state = _snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="'1.weight'.*sparse"):
+        opt.step()
+    _assert_untouched(model, opt, params, state)
+
+
+def test_overlapping_parameters_are_rejected_before_mutation():
+    base = torch.zeros(16)
+    p1 = torch.nn.Parameter(base[:10])
+    p2 = torch.nn.Parameter(base[6:])
+    p1.grad, p2.grad = torch.ones(10), torch.ones(10)
+    opt = gefen.Gefen([("a", p1), ("b", p2)], lr=1e-2)
+    with pytest.raises(ValueError, match="'a' and 'b' overlap"):
+        opt.step()
+    assert torch.equal(base, torch.zeros(16))
+    assert len(opt.state) == 0
+
+
+def test_meta_device_parameters_are_rejected():
+    p = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    p.grad = torch.empty(4, 4, device="meta")
+    opt = gefen.Gefen([("w", p)], lr=1e-2)
+    with pytest.raises(RuntimeError, match="'w'.*meta"):
+        opt.step()
+    assert len(opt.state) == 0
+
+
+def test_gradient_checks_name_the_parameter():
+    # torch refuses to assign a gradient of another shape or dtype, so exercise the
+    # checks through the Slot directly.
+    from gefen._layout import Slot, check_grad
+
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="'w'.*shape"):
+        check_grad(Slot({}, 0, 0, p, torch.zeros(4, 3), "w"))
+    with pytest.raises(TypeError, match="'w'.*dtype"):
+        check_grad(Slot({}, 0, 0, p, torch.zeros(3, 4, dtype=torch.float64), "w"))
+    with pytest.raises(TypeError, match="'w'.*complex"):
+        check_grad(Slot({}, 0, 0, p, torch.zeros(3, 4, dtype=torch.complex64), "w"))
+
+
+def test_c_extension_checks_state_tensors():
+    from gefen import _C
+
+    p = torch.zeros(4, 6)
+    g = torch.zeros(4, 6)
+    codes = torch.zeros(4, 6, dtype=torch.uint8)
+    item = ["w", p, g, codes, torch.zeros(4, 1), torch.zeros(4, 1), None, None, None, None,
+            6, 0, 4, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, 0]
+    _C.adam_validate([tuple(item)])
+    bad = list(item)
+    bad[3] = torch.zeros(4, 6, dtype=torch.int64)
+    with pytest.raises(TypeError, match="'w'.*codes.*uint8"):
+        _C.adam_validate([tuple(bad)])
+    bad = list(item)
+    bad[4] = torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="'w'.*magnitude.*8 elements, expected 4"):
+        _C.adam_validate([tuple(bad)])
+    bad = list(item)
+    bad[10] = 4
+    with pytest.raises(ValueError, match="period 4 does not divide 6"):
+        _C.adam_validate([tuple(bad)])
+    bad = list(item)
+    bad[16] = 1.0
+    with pytest.raises(ValueError, match="'w'.*betas"):
+        _C.adam_validate([tuple(bad)])
+    bad = list(item)
+    bad[5] = torch.zeros(4, 2)[:, 0]  # strided
+    with pytest.raises(ValueError, match="'w'.*vmean.*contiguous"):
+        _C.adam_validate([tuple(bad)])
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("factored", [True, False])
+def test_state_dict_round_trip_continues_bitwise(factored):
+    model_a = _model(3)
+    opt_a = gefen.Gefen(model_a.parameters(), lr=5e-3, weight_decay=0.01, factored=factored)
+    _train(model_a, opt_a, 4)
+    sd = copy.deepcopy(opt_a.state_dict())
+    model_b = copy.deepcopy(model_a)
+    _train(model_a, opt_a, 4, start=4)
+
+    opt_b = gefen.Gefen(model_b.parameters(), lr=1.0, factored=factored)
+    opt_b.load_state_dict(sd)
+    assert opt_b.param_groups[0]["lr"] == 5e-3  # hyper-parameters restored like torch.optim
+    _train(model_b, opt_b, 4, start=4)
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(opt_a.state_dict(), opt_b.state_dict())
+    # one codebook tensor shared by every parameter's state
+    cbs = {id(st["codebook"]) for st in opt_b.state.values()}
+    assert len(cbs) == 1
+
+
+def test_state_dict_survives_torch_save(tmp_path):
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    opt2 = gefen.Gefen(_model().parameters(), lr=1e-2)
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    _assert_same_state(opt.state_dict(), opt2.state_dict())
+
+
+def _corruptions():
+    def first(sd):
+        return sd["state"][0]
+
+    def mutate(fn):
+        return fn
+
+    yield "schema", lambda sd: sd["param_groups"][0].update(gefen_schema=99), "schema version"
+    yield "kind", lambda sd: sd["param_groups"][0].update(gefen_kind="adamw"), "optimizer kind"
+    yield "groups", lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "parameter groups"
+    yield "missing", lambda sd: first(sd).pop("magnitude"), "'0.weight'.*missing"
+    yield "extra", lambda sd: first(sd).update(exp_avg=torch.zeros(1)), "'0.weight'.*unknown keys"
+    yield "shape", lambda sd: first(sd).update(v_row=torch.zeros(7)), "'0.weight'.*v_row.*shape"
+    yield "dtype", lambda sd: first(sd).update(codes=first(sd)["codes"].long()), "'0.weight'.*codes.*dtype"
+    yield "negative", lambda sd: first(sd)["v_col"].__setitem__(0, -1.0), "'0.weight'.*negative"
+    yield "nan", lambda sd: first(sd)["magnitude"].__setitem__(0, float("nan")), "'0.weight'.*non-finite"
+    yield "period", lambda sd: first(sd).update(period=5), "'0.weight'.*period 5"
+    yield "step", lambda sd: first(sd).update(step=-1), "'0.weight'.*step"
+    yield "factored", lambda sd: first(sd).update(factored=0), "'0.weight'.*block"
+
+    def unsorted(sd):
+        cb = first(sd)["codebook"].clone()
+        cb[10], cb[11] = cb[11].item(), cb[10].item()
+        for st in sd["state"].values():
+            st["codebook"] = cb
+
+    yield "unsorted", unsorted, "'0.weight'.*codebook.*invalid"
+
+    def ends(sd):
+        cb = first(sd)["codebook"].clone()
+        cb[0] = -0.5
+        for st in sd["state"].values():
+            st["codebook"] = cb
+
+    yield "ends", ends, "codebook.*invalid"
+
+    def differ(sd):
+        cb = sd["state"][1]["codebook"].clone()
+        cb[100] += 1e-3
+        sd["state"][1]["codebook"] = cb
+
+    yield "differ", differ, "'0.bias'.*codebook.*differs"
+    yield "unknown id", lambda sd: sd["state"].update({99: first(sd)}), "parameter id 99"
+
+
+@pytest.mark.parametrize("name, corrupt, match", list(_corruptions()), ids=[c[0] for c in _corruptions()])
+def test_corrupt_state_dict_is_rejected_and_nothing_changes(name, corrupt, match):
+    model = _model()
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    good = copy.deepcopy(opt.state_dict())
+    params, state = _snapshot(model, opt)
+    bad = copy.deepcopy(good)
+    corrupt(bad)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    _assert_untouched(model, opt, params, state)
+    # the optimizer still works and still loads a good state dict
+    opt.load_state_dict(good)
+    _train(model, opt, 1, start=2)
+
+
+def test_load_into_fresh_optimizer_then_step():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    _train(model, opt, 3)
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = gefen.Gefen(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(sd)
+    assert fresh._global_step == 3
+    _train(model, fresh, 1, start=3)
+    assert all(st["global_step"] == 4 for st in fresh.state.values())
+
+
+def test_codebook_refresh_changes_the_codebook_and_keeps_values():
+    p = torch.nn.Parameter(torch.randn(32, 64))
+    opt = gefen.Gefen([p], lr=1e-3, codebook_refresh_every=2)
+    gen = torch.Generator().manual_seed(0)
+    p.grad = torch.randn(32, 64, generator=gen)
+    opt.step()
+    cb1 = opt._codebook.clone()
+    p.grad = torch.randn(32, 64, generator=gen)
+    opt.step()
+    assert torch.equal(opt._codebook, cb1)  # step 2: no refresh
+    p.grad = torch.randn(32, 64, generator=gen) ** 3  # a very different distribution
+    opt.step()  # step 3 = 1 + 2: refresh
+    assert not torch.equal(opt._codebook, cb1)
+    assert opt.state[p]["codebook"] is opt._codebook
+
+
+def test_state_bytes_per_parameter_is_about_one():
+    p = torch.nn.Parameter(torch.randn(1024, 1024))
+    opt = gefen.Gefen([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    st = opt.state[p]
+    nbytes = sum(v.numel() * v.element_size() for k, v in st.items()
+                 if isinstance(v, torch.Tensor) and k != "codebook")
+    assert nbytes / p.numel() <= 1.02
+    assert math.isclose(nbytes / p.numel(), 1 + 4 / st["period"] + 4 / 1024 + 4 / 1024, rel_tol=1e-9)
