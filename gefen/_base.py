@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from copy import deepcopy
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -19,6 +20,22 @@ from ._ext import _C
 from ._layout import SCHEMA_VERSION, Slot, check_param, collect_slots, param_name, rows_cols
 from ._learning import Reducer, choose_period, learn_codebook
 from ._state import StateError, check_common_state
+
+
+@dataclass
+class StepPlan:
+    """A validated step that has not mutated anything yet (see ``_prepare_step``)."""
+
+    slots: list[Slot]
+    pending: dict  # parameter -> new state, installed only after the update
+    new_codebook: torch.Tensor | None
+    quantizer: Any
+    payload: Any = None  # the kind's prepared kernel inputs
+
+    def state_of(self, opt: "_QuantizedOptimizer", p: torch.Tensor) -> dict:
+        """The state a parameter is stepped with (new or existing)."""
+        st = self.pending.get(p)
+        return st if st is not None else opt.state[p]
 
 
 class _QuantizedOptimizer(Optimizer):
@@ -118,9 +135,8 @@ class _QuantizedOptimizer(Optimizer):
     def _learn_codebook(self, slots: list[Slot], pending: dict) -> torch.Tensor:
         items = []
         for s in slots:
-            st = pending.get(s.param) or self.state[s.param]
-            if s.grad.numel():
-                items.append((s.name, s.grad, st["period"]))
+            st = pending[s.param] if s.param in pending else self.state[s.param]
+            items.append((s.name, s.grad, st["period"]))
         return learn_codebook(items, self._nthreads(), self._reducer(slots))
 
     def _refresh_due(self) -> bool:
@@ -141,18 +157,39 @@ class _QuantizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self._prepare_step()
+        if plan is not None:
+            self._apply_step(plan)
+        return loss
+
+    def _prepare_step(self) -> StepPlan | None:
+        """Everything a step does before its first mutation: check every gradient, group
+        and kernel input, choose the periods of new parameters and learn the codebook
+        when due. Returns None when the step has nothing to do (no gradients, or the
+        zero-gradient/zero-lr step of ALGORITHM.md §5). Mutates nothing."""
         slots = collect_slots(self.param_groups)
-        if not slots:
-            return loss
-        if self._all_zero_lr_and_grads(self.param_groups, slots):
-            return loss
+        if not slots or self._all_zero_lr_and_grads(self.param_groups, slots):
+            return None
+        for group in self.param_groups:
+            self._check_group(group)
         self._check_step_inputs(slots)
         pending = self._plan_first_steps(slots)
         new_codebook = None
         if self._codebook is None or self._refresh_due():
             new_codebook = self._learn_codebook(slots, pending)
-        self._update(slots, pending, new_codebook)
-        return loss
+        plan = StepPlan(slots, pending, new_codebook, self._quantizer_for(new_codebook))
+        self._prepare_update(plan)
+        return plan
+
+    def _apply_step(self, plan: StepPlan) -> None:
+        """Run a prepared step: remap codes when the codebook was relearned, update,
+        then install new state and count the step."""
+        if plan.new_codebook is not None:
+            self._remap_codes(plan.quantizer)
+        self._run_update(plan)
+        for s in plan.slots:
+            plan.state_of(self, s.param)["step"] += 1
+        self._install(plan.pending, plan.new_codebook, plan.quantizer)
 
     def _check_step_inputs(self, slots: list[Slot]) -> None:
         """Kind-specific checks that must pass before anything is learned or mutated."""
@@ -189,8 +226,27 @@ class _QuantizedOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The standard ``torch.optim`` state dict: ``state`` keyed by parameter index and
         ``param_groups``. Each parameter's state holds its period and representation as
-        ints, its step, the optimizer's global step and the shared codebook tensor."""
-        return super().state_dict()
+        ints, its step, the optimizer's global step and the shared codebook tensor.
+        Parameters that have never been stepped have no entry (also when something, such
+        as DCP's state-dict helpers, created an empty one by looking them up)."""
+        sd = super().state_dict()
+        sd["state"] = {k: v for k, v in sd["state"].items() if v}
+        return sd
+
+    #: Attributes beyond torch.optim's that pickling and deepcopy must keep.
+    _PICKLED = ("codebook_refresh_every", "_codebook", "_global_step")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in self._PICKLED:
+            state[name] = getattr(self, name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # the quantiser is a C object: rebuilt from the codebook, never pickled
+        codebook = getattr(self, "_codebook", None)
+        self._quantizer = _C.Quantizer(codebook) if codebook is not None else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict produced by :meth:`state_dict`.
@@ -248,6 +304,8 @@ class _QuantizedOptimizer(Optimizer):
         codebook = None
         global_step = None
         for pid, st in state_dict["state"].items():
+            if isinstance(st, dict) and not st:
+                continue  # a parameter that was never stepped
             if pid not in id_map:
                 raise ValueError(f"loaded state refers to parameter id {pid!r}, which no group holds")
             p = id_map[pid]
@@ -305,7 +363,13 @@ class _QuantizedOptimizer(Optimizer):
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
         raise NotImplementedError
 
-    def _update(self, slots: list[Slot], pending: dict, new_codebook) -> None:
+    def _prepare_update(self, plan: StepPlan) -> None:
+        """Build and validate the kernel inputs of a step into ``plan.payload``;
+        raise on any problem, mutating nothing."""
+        raise NotImplementedError
+
+    def _run_update(self, plan: StepPlan) -> None:
+        """The update itself (kernels, parameter writes)."""
         raise NotImplementedError
 
 

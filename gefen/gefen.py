@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from ._base import _QuantizedOptimizer, block_state
+from ._base import StepPlan, _QuantizedOptimizer, block_state
 from ._ext import _C
-from ._layout import Slot, as_float, rows_cols
+from ._layout import as_float, rows_cols
 from ._state import StateError, as_int, check_keys, check_tensor, COMMON_KEYS
 
 __all__ = ["Gefen"]
@@ -67,6 +67,7 @@ class Gefen(_QuantizedOptimizer):
     """
 
     KIND = "gefen"
+    _PICKLED = (*_QuantizedOptimizer._PICKLED, "deterministic")
 
     def __init__(
         self,
@@ -149,13 +150,13 @@ class Gefen(_QuantizedOptimizer):
 
     # ------------------------------------------------------------ update
 
-    def _items(self, slots: list[Slot], pending: dict):
-        """The C step items of the slots, and the (param, contiguous copy) pairs to write
-        back for non-contiguous parameters."""
+    def _prepare_update(self, plan: StepPlan) -> None:
+        """The C step items (validated by ``_C.adam_validate``) and the (parameter,
+        contiguous copy) pairs to write back for non-contiguous parameters."""
         items, copies = [], []
         seed = self._global_step
-        for s in slots:
-            st = pending.get(s.param) or self.state[s.param]
+        for s in plan.slots:
+            st = plan.state_of(self, s.param)
             group = s.group
             p = s.param
             pc = p
@@ -179,20 +180,13 @@ class Gefen(_QuantizedOptimizer):
                     bool(group["stochastic_round"]), seed,
                 )
             )
-        return items, copies
+        _C.adam_validate(items)
+        plan.payload = (items, copies)
 
-    def _update(self, slots: list[Slot], pending: dict, new_codebook) -> None:
-        items, copies = self._items(slots, pending)
+    def _run_update(self, plan: StepPlan) -> None:
+        items, copies = plan.payload
         nt = self._nthreads()
-        quantizer = self._quantizer_for(new_codebook)
-        _C.adam_validate(items)  # every check, before the first mutation
-        if new_codebook is not None:
-            self._remap_codes(quantizer)
         _C.adam_factored_stats(items, nt)
-        _C.adam_update(items, quantizer, nt)
+        _C.adam_update(items, plan.quantizer, nt)
         for p, pc in copies:
             p.copy_(pc)
-        for s in slots:
-            st = pending.get(s.param) or self.state[s.param]
-            st["step"] += 1
-        self._install(pending, new_codebook, quantizer)

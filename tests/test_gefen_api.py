@@ -481,3 +481,40 @@ def test_state_bytes_per_parameter_is_about_one():
                  if isinstance(v, torch.Tensor) and k != "codebook")
     assert nbytes / p.numel() <= 1.02
     assert math.isclose(nbytes / p.numel(), 1 + 4 / st["period"] + 4 / 1024 + 4 / 1024, rel_tol=1e-9)
+
+
+def test_deepcopy_and_pickle_keep_training_identically():
+    import pickle
+
+    model = _model(4)
+    opt = gefen.Gefen(model.parameters(), lr=5e-3, codebook_refresh_every=3, deterministic=True)
+    _train(model, opt, 2)
+    twin_model, twin = copy.deepcopy((model, opt))  # one memo: the copy steps the copied model
+    assert twin.codebook_refresh_every == 3 and twin.deterministic
+    assert twin.param_groups[0]["params"][0] is next(twin_model.parameters())
+    _train(model, opt, 3, start=2)
+    _train(twin_model, twin, 3, start=2)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+    restored = pickle.loads(pickle.dumps(opt))
+    assert restored._global_step == opt._global_step
+    assert torch.equal(restored._codebook, opt._codebook) and restored._quantizer is not None
+
+
+def test_empty_state_entries_are_ignored():
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2)
+    frozen = model[3].bias
+    for i in range(2):
+        x, y = _batch(i)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        frozen.grad = None
+        opt.step()
+    _ = opt.state[frozen]  # a lookup (as DCP's helpers do) creates an empty entry
+    sd = opt.state_dict()
+    assert len(sd["state"]) == len(list(model.parameters())) - 1
+    sd["state"][3] = {}  # an empty entry in a loaded dict is "never stepped"
+    fresh = gefen.Gefen(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(sd)
+    assert frozen not in fresh.state or not fresh.state[frozen]

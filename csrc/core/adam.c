@@ -87,33 +87,67 @@ static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops
   *vrow_sum += vsum;
 }
 
+/* Row chunks of the factored items: a fixed split that depends only on the
+ * shapes, so the sums (taken per chunk, then added in chunk order) do not
+ * depend on the number of threads. */
+static int64_t stats_chunks(const gefen_adam_item *it) {
+  if (it->vmean || it->rows == 0 || it->cols == 0) return 0;
+  int64_t c = it->rows * it->cols / GEFEN_CHUNK_ELEMS;
+  if (c > 64) c = 64;
+  if (c > it->rows) c = it->rows;
+  return c > 1 ? c : 1;
+}
+
 gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
                                        int nthreads, gefen_error *err) {
   gefen_status st = gefen_adam_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   const int nt = gefen_threads(nthreads);
   const gefen_block_ops *ops = gefen_block_ops_for(NULL);
+  /* one work entry per chunk; a chunk's partial sums live in `part` unless
+   * it is its item's only chunk, which sums straight into col_stats */
+  int64_t nwork = 0, npart = 0;
   for (int64_t i = 0; i < n; i++) {
-    const gefen_adam_item *it = &items[i];
-    if (it->vmean) continue;
-    const int64_t cols = it->cols, rows = it->rows;
-    memset(it->col_stats, 0, (size_t)(cols + 1) * sizeof(double));
-    if (rows == 0 || cols == 0) continue;
-    /* A fixed split of the rows, summed in order: independent of threads. */
-    const int64_t nchunk = rows < 64 ? rows : 64;
-    double *part = calloc((size_t)nchunk * (size_t)(cols + 1), sizeof(double));
-    if (!part) return gefen_fail_item(err, GEFEN_ENOMEM, i, "out of memory");
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (rows * cols > GEFEN_CHUNK_ELEMS)
-    for (int64_t c = 0; c < nchunk; c++) {
-      double *p = part + c * (cols + 1);
-      factored_stats_rows(it, ops, rows * c / nchunk, rows * (c + 1) / nchunk, p, p + cols);
-    }
-    for (int64_t c = 0; c < nchunk; c++) {
-      const double *p = part + c * (cols + 1);
-      for (int64_t j = 0; j <= cols; j++) it->col_stats[j] += p[j];
-    }
-    free(part);
+    if (items[i].vmean) continue;
+    memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
+    const int64_t c = stats_chunks(&items[i]);
+    nwork += c;
+    if (c > 1) npart += c * (items[i].cols + 1);
   }
+  if (nwork == 0) return GEFEN_OK;
+  gefen_work *work = malloc((size_t)nwork * sizeof *work);
+  double **dest = malloc((size_t)nwork * sizeof *dest);
+  double *part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
+  if (!work || !dest || !part) {
+    free(work);
+    free(dest);
+    free(part);
+    return gefen_fail(err, GEFEN_ENOMEM, "factored statistics: out of memory");
+  }
+  int64_t w = 0, off = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t c = stats_chunks(&items[i]);
+    for (int64_t k = 0; k < c; k++, w++) {
+      work[w].item = i;
+      work[w].begin = items[i].rows * k / c;
+      work[w].end = items[i].rows * (k + 1) / c;
+      dest[w] = c > 1 ? part + off + k * (items[i].cols + 1) : items[i].col_stats;
+    }
+    if (c > 1) off += c * (items[i].cols + 1);
+  }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nwork > 1 && nt > 1)
+  for (int64_t k = 0; k < nwork; k++) {
+    const gefen_adam_item *it = &items[work[k].item];
+    factored_stats_rows(it, ops, work[k].begin, work[k].end, dest[k], dest[k] + it->cols);
+  }
+  for (int64_t k = 0; k < nwork; k++) {
+    const gefen_adam_item *it = &items[work[k].item];
+    if (dest[k] == it->col_stats) continue;
+    for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += dest[k][j];
+  }
+  free(work);
+  free(dest);
+  free(part);
   return GEFEN_OK;
 }
 

@@ -1,7 +1,8 @@
 /* AVX-512 versions of the block primitives (see block_ops.h), 16 lanes, with
  * masked tails. The fp32 operations and their order match block_scalar.c
  * exactly (no FMA: the build uses -ffp-contract=off and intrinsics are
- * explicit), so codes and parameters agree bit for bit with the scalar path.
+ * explicit) and sums use the canonical lane order of block_ops.h, so every
+ * output agrees bit for bit with the scalar path.
  *
  * The nearest-code search is the lookup table of quantizer.c: one byte
  * gather for the bucket's candidate k, two float gathers for value[k] and
@@ -57,12 +58,19 @@ TARGET static inline void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, 
   }
 }
 
-/* The 16 lanes summed in float64. */
-TARGET static inline double sum_lanes(__m512 v) {
-  const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-  const __m512d hi =
-      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
+TARGET static inline void add_lanes(__m512d *lo, __m512d *hi, __m512 x) {
+  *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  *hi = _mm512_add_pd(
+      *hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+}
+
+/* The canonical in-order sum of the 16 lanes (see block_ops.h). */
+TARGET static inline double sum_lanes(__m512d lo, __m512d hi) {
+  double lanes[GEFEN_SUM_LANES];
+  _mm512_storeu_pd(lanes, lo);
+  _mm512_storeu_pd(lanes + 8, hi);
+  return gefen_sum_lanes(lanes);
 }
 
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
@@ -74,7 +82,8 @@ TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base
                                                 one_minus_beta1, len, m, sq);
   const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
                vomb1 = _mm512_set1_ps(one_minus_beta1);
-  __m512 vmx = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
+  __m512 vmx = _mm512_setzero_ps();
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (int64_t j = 0; j < len; j += 16) {
     const __mmask16 k = tail_mask(len - j);
     const __m512 g = load16(grad, dt, base + j, k);
@@ -83,10 +92,9 @@ TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb1, g));
     _mm512_mask_storeu_ps(m + j, k, v);
     vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx); /* NaN never wins */
-    /* masked lanes are 0; 16 fp32 partial sums are ample for a block mean */
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(g, g));
+    add_lanes(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
   }
-  *sq += sum_lanes(acc);
+  *sq += sum_lanes(lo, hi);
   return _mm512_reduce_max_ps(vmx);
 }
 
@@ -164,22 +172,23 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
 TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
                                double *colsum) {
   if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
-  __m512 acc = _mm512_setzero_ps();
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (int64_t j = 0; j < len; j += 16) {
     const __mmask16 k = tail_mask(len - j);
     const __m512 g = load16(grad, dt, base + j, k);
     const __m512 x = _mm512_mul_ps(g, g);
-    acc = _mm512_add_ps(acc, x);
     const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
     const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     const __m512d x_hi =
         _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    lo = _mm512_add_pd(lo, x_lo);
+    hi = _mm512_add_pd(hi, x_hi);
     _mm512_mask_storeu_pd(colsum + j, k_lo,
                           _mm512_add_pd(_mm512_maskz_loadu_pd(k_lo, colsum + j), x_lo));
     _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
                           _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
   }
-  return sum_lanes(acc);
+  return sum_lanes(lo, hi);
 }
 
 TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,

@@ -1,8 +1,7 @@
 /* The per-block primitives of the element kernels, in a portable C version
  * (block_scalar.c) and an AVX-512 version (block_avx512.c) chosen at run time.
- * Both compute the same fp32 operations in the same order, so they give the
- * same codes and parameters bit for bit (only the float64 sum of g^2 may be
- * added in another order).
+ * Both compute the same operations in the same order, so they give the same
+ * results bit for bit.
  *
  * A block is `len` consecutive elements starting at element `base` of a
  * parameter's local shard. `m` is a per-thread scratch of `len` floats. */
@@ -11,6 +10,17 @@
 
 #include "core_internal.h"
 #include "quantizer_internal.h"
+
+/* Sums of g^2 inside a block or row are taken in one canonical order on every
+ * path: element j goes to float64 lane j % 16, then the lanes are added in
+ * order. So the portable and SIMD kernels agree bit for bit. */
+#define GEFEN_SUM_LANES 16
+
+static inline double gefen_sum_lanes(const double *lanes) {
+  double total = 0.0;
+  for (int l = 0; l < GEFEN_SUM_LANES; l++) total += lanes[l];
+  return total;
+}
 
 typedef struct {
   /* Gefen: m = beta1 * (C[code] * mag_old) + (1 - beta1) * g; adds sum g^2

@@ -8,7 +8,7 @@ static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
                            const uint8_t *codes, const float *cb, float mag_old, float beta1,
                            float one_minus_beta1, int64_t len, float *m, double *sq) {
   float mx = 0.0f;
-  double acc = 0.0;
+  double lanes[GEFEN_SUM_LANES] = {0};
   for (int64_t j = 0; j < len; j++) {
     const float g = gefen_load(grad, dt, base + j);
     const float mo = cb[codes[j]] * mag_old;
@@ -17,9 +17,9 @@ static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
     const float a = fabsf(v);
     mx = a > mx ? a : mx;
     const float x = g * g;
-    acc += x;
+    lanes[j % GEFEN_SUM_LANES] += x;
   }
-  *sq += acc;
+  *sq += gefen_sum_lanes(lanes);
   return mx;
 }
 
@@ -118,14 +118,14 @@ static void muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_d
 
 static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
                         double *colsum) {
-  double rs = 0.0;
+  double lanes[GEFEN_SUM_LANES] = {0};
   for (int64_t j = 0; j < len; j++) {
     const float g = gefen_load(grad, dt, base + j);
     const float x = g * g;
-    rs += x;
+    lanes[j % GEFEN_SUM_LANES] += x;
     colsum[j] += x;
   }
-  return rs;
+  return gefen_sum_lanes(lanes);
 }
 
 const gefen_block_ops gefen_block_ops_scalar = {

@@ -354,6 +354,8 @@ static PyMethodDef module_methods[] = {
      "adam_factored_stats(items, nthreads=0): factored phase 1 of a Gefen step"},
     {"adam_update", gefen_py_adam_update, METH_VARARGS,
      "adam_update(items, quantizer, nthreads=0): the fused Gefen update"},
+    {"muon_validate", gefen_py_muon_validate, METH_VARARGS,
+     "muon_validate(items): every check of muon_momentum, touching nothing"},
     {"muon_momentum", gefen_py_muon_momentum, METH_VARARGS,
      "muon_momentum(items, quantizer, nthreads=0): GefenMuon's quantised momentum"},
     {NULL, NULL, 0, NULL}};

@@ -309,13 +309,19 @@ static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **na
   return 0;
 }
 
-PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args) {
-  (void)self;
-  PyObject *list, *qobj;
+typedef gefen_status (*muon_fn)(const gefen_muon_item *, int64_t, const gefen_quantizer *, int,
+                                gefen_error *);
+
+static PyObject *run_muon(PyObject *args, int with_quantizer, muon_fn fn) {
+  PyObject *list, *qobj = NULL;
   int nthreads = 0;
-  if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &list, &GefenQuantizer_Type, &qobj,
-                        &nthreads))
-    return NULL;
+  if (with_quantizer) {
+    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &list, &GefenQuantizer_Type, &qobj,
+                          &nthreads))
+      return NULL;
+  } else {
+    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &list, &nthreads)) return NULL;
+  }
   const Py_ssize_t n = PyList_GET_SIZE(list);
   gefen_muon_item *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *items);
   const char **names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *names);
@@ -330,9 +336,9 @@ PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args) {
   {
     gefen_error err;
     gefen_status st;
-    const gefen_quantizer *q = ((GefenQuantizer *)qobj)->q;
+    const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = gefen_muon_momentum(items, n, q, get_nthreads(nthreads), &err);
+    st = fn(items, n, q, get_nthreads(nthreads), &err);
     Py_END_ALLOW_THREADS
     if (st != GEFEN_OK) {
       raise_core(st, &err, names, n);
@@ -345,6 +351,23 @@ done:
   PyMem_Free(items);
   PyMem_Free(names);
   return result;
+}
+
+static gefen_status muon_validate_call(const gefen_muon_item *items, int64_t n,
+                                       const gefen_quantizer *q, int nthreads, gefen_error *err) {
+  (void)q;
+  (void)nthreads;
+  return gefen_muon_validate(items, n, err);
+}
+
+PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args) {
+  (void)self;
+  return run_muon(args, 0, muon_validate_call);
+}
+
+PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args) {
+  (void)self;
+  return run_muon(args, 1, gefen_muon_momentum);
 }
 
 /* ------------------------------------------------- first-step statistics */

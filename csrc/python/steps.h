@@ -7,6 +7,7 @@
 PyObject *gefen_py_adam_validate(PyObject *self, PyObject *args);
 PyObject *gefen_py_adam_factored_stats(PyObject *self, PyObject *args);
 PyObject *gefen_py_adam_update(PyObject *self, PyObject *args);
+PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args);
 PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args);
 PyObject *gefen_py_period_stats(PyObject *self, PyObject *args);
 PyObject *gefen_py_histogram(PyObject *self, PyObject *args);

@@ -223,7 +223,7 @@ static void test_simd_blocks(void) {
       CHECK(mx1 == mx2, "adam_momentum max differs (dt %d len %lld)", dt, (long long)len);
       CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "adam_momentum m differs (dt %d len %lld)", dt,
             (long long)len);
-      CHECK(fabs(sq1 - sq2) <= 1e-5 * fabs(sq1), "sum of squares %.9g vs %.9g", sq1, sq2);
+      CHECK(sq1 == sq2, "sum of squares %.17g vs %.17g", sq1, sq2);
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
       CHECK(memcmp(c1, c2, (size_t)len) == 0, "codes differ (dt %d len %lld)", dt, (long long)len);
@@ -240,7 +240,7 @@ static void test_simd_blocks(void) {
       for (int64_t j = 0; j < len; j++) cs1[j] = cs2[j] = 0.5;
       double r1 = gefen_block_ops_scalar.row_stats(g, dt, 0, len, cs1);
       double r2 = simd->row_stats(g, dt, 0, len, cs2);
-      CHECK(fabs(r1 - r2) <= 1e-5 * fabs(r1), "row sums %.9g vs %.9g", r1, r2);
+      CHECK(r1 == r2, "row sums %.17g vs %.17g", r1, r2);
       CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "column sums differ");
       /* GefenMuon momentum and its Newton-Schulz input */
       mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m1);

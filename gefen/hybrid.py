@@ -1,0 +1,567 @@
+"""``gefen.GefenMuonHybrid``: GefenMuon for hidden matrices, Gefen or AdamW for the rest
+(ALGORITHM.md §8), behaving as one ``torch.optim.Optimizer``.
+
+The hybrid owns two children and no state of its own. ``param_groups`` is the live
+concatenation of the children's groups (Muon first) and ``state`` a live view over both
+children's state, so LR schedulers, ``GradScaler`` and the DCP state-dict helpers see one
+ordinary optimizer. ``state_dict()`` is one flat standard dict; ``load_state_dict``
+validates both halves before either child changes; ``step()`` checks every gradient of
+both children before either mutates.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ._base import _QuantizedOptimizer
+from ._layout import check_param, collect_slots
+from .gefen import Gefen
+from .muon import STANDARD_COEFFICIENTS, GefenMuon
+
+__all__ = [
+    "GefenMuonHybrid",
+    "HYBRID_SCHEMA",
+    "ROLES",
+    "MUON_EXCLUDED_NAME_SUBSTRINGS",
+    "DEFAULT_NO_DECAY_SUBSTRINGS",
+    "is_muon_parameter",
+]
+
+#: Version of the hybrid header written into every parameter group.
+HYBRID_SCHEMA = 1
+
+#: The role every parameter group carries, in the order of ``param_groups``.
+ROLES = ("muon", "backup")
+
+#: A parameter whose name contains one of these (case-insensitive) never goes to Muon.
+MUON_EXCLUDED_NAME_SUBSTRINGS = ("embed", "wte", "wpe", "lm_head", "classifier", "score")
+
+#: Parameters whose name contains one of these (case-insensitive) get no weight decay.
+DEFAULT_NO_DECAY_SUBSTRINGS = ("bias", "norm", "ln_")
+
+_BACKUPS = ("gefen", "adamw")
+_LOAD_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def is_muon_parameter(
+    name: str, param: torch.Tensor, embedding_weights: Iterable[torch.Tensor] = ()
+) -> bool:
+    """The routing rule of ALGORITHM.md §8: 2-D, a name free of
+    :data:`MUON_EXCLUDED_NAME_SUBSTRINGS` (case-insensitive), and not one of
+    ``embedding_weights`` (the weights of ``nn.Embedding``/``nn.EmbeddingBag`` modules,
+    which also catches output heads tied to them)."""
+    if param.dim() != 2:
+        return False
+    lowered = name.lower()
+    if any(s in lowered for s in MUON_EXCLUDED_NAME_SUBSTRINGS):
+        return False
+    return not any(param is w for w in embedding_weights)
+
+
+class _HybridState(MutableMapping):
+    """``optimizer.state`` of the hybrid: parameter → that parameter's state in whichever
+    child owns it. Reading a parameter without state creates an empty entry, as a
+    ``torch.optim`` ``defaultdict`` does; ``in`` and ``get`` never create one."""
+
+    def __init__(self, hybrid: "GefenMuonHybrid"):
+        self._hybrid = hybrid
+
+    def _child(self, p) -> Optimizer:
+        child = self._hybrid._owner_of(p)
+        if child is None:
+            raise KeyError(p)
+        return child
+
+    def __getitem__(self, p):
+        return self._child(p).state[p]
+
+    def __setitem__(self, p, value) -> None:
+        self._child(p).state[p] = value
+
+    def __delitem__(self, p) -> None:
+        del self._child(p).state[p]
+
+    def __contains__(self, p) -> bool:
+        child = self._hybrid._owner_of(p)
+        return child is not None and p in child.state
+
+    def get(self, p, default=None):
+        """The state of ``p`` if it has an entry, else ``default`` (creates nothing)."""
+        child = self._hybrid._owner_of(p)
+        return default if child is None else child.state.get(p, default)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return chain.from_iterable(list(c.state) for c in self._hybrid._children)
+
+    def __len__(self) -> int:
+        return sum(len(c.state) for c in self._hybrid._children)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} parameters)"
+
+
+class GefenMuonHybrid(Optimizer):
+    r"""Muon for hidden matrices, Gefen or AdamW for everything else, as one optimizer.
+
+    A parameter goes to the :class:`gefen.GefenMuon` child iff it is 2-D, its name
+    (case-insensitive) contains none of ``embed, wte, wpe, lm_head, classifier, score``
+    and, when a module is given, it is not the weight of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` (which catches output heads tied to an embedding). Everything
+    else — norms, biases, convolutions, embeddings, heads — goes to the backup child:
+    :class:`gefen.Gefen` with ``factored=False`` (``backup_optimizer="gefen"``) or
+    ``torch.optim.AdamW`` (``"adamw"``).
+
+    Three ways to say which parameters:
+
+    * ``GefenMuonHybrid(model, lr=...)`` — an ``nn.Module``: its trainable
+      ``named_parameters()`` routed by the rule above;
+    * ``GefenMuonHybrid(model.named_parameters(), lr=...)`` — ``(name, tensor)`` pairs,
+      routed by shape and name only;
+    * ``GefenMuonHybrid(muon_params, backup_params, lr=...)`` — explicit lists (tensors or
+      ``(name, tensor)`` pairs); every Muon parameter must be 2-D.
+
+    ``param_groups`` is the live concatenation of the children's groups, Muon first,
+    each with ``"role"`` ``"muon"`` or ``"backup"`` and a ``"gefen_hybrid"`` header; a
+    parameter whose name contains one of ``no_decay_substrings`` is placed in its role's
+    no-decay group (``weight_decay=0``). Changing a group's ``lr`` (e.g. by an LR
+    scheduler) changes the child's.
+
+    Args:
+        params: a module, ``(name, tensor)`` pairs, or the Muon list of the explicit form.
+        backup_params: the backup list of the explicit form (else None).
+        lr (float or Tensor): learning rate of both children unless overridden.
+        muon_lr, backup_lr: per-child learning rates (default ``lr``).
+        weight_decay (float): decoupled weight decay of both children unless overridden.
+        muon_weight_decay, backup_weight_decay: per-child weight decay.
+        no_decay_substrings (sequence of str): names containing one of these
+            (case-insensitive) get ``weight_decay=0``.
+        backup_optimizer (str): ``"gefen"`` or ``"adamw"``.
+        betas, eps: the backup's Adam coefficients.
+        momentum, nesterov, ns_coefficients, ns_steps, adjust_lr_fn, ns_schedule,
+        normuon, normuon_beta2, normuon_eps, sharded_mode: GefenMuon's options (hybrid
+            defaults ``ns_schedule="tuned3"``, ``normuon=True``,
+            ``adjust_lr_fn="match_rms_adamw"``, so one ``lr`` suits both children).
+        muon_eps (float): GefenMuon's ``eps`` (Newton–Schulz normalisation floor).
+        codebook_refresh_every (int): passed to the quantised children.
+    """
+
+    def __init__(
+        self,
+        params,
+        backup_params=None,
+        *,
+        lr: float | torch.Tensor,
+        muon_lr: float | torch.Tensor | None = None,
+        backup_lr: float | torch.Tensor | None = None,
+        weight_decay: float = 0.1,
+        muon_weight_decay: float | None = None,
+        backup_weight_decay: float | None = None,
+        no_decay_substrings: Sequence[str] = DEFAULT_NO_DECAY_SUBSTRINGS,
+        backup_optimizer: str = "gefen",
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = STANDARD_COEFFICIENTS,
+        muon_eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        ns_schedule="tuned3",
+        normuon: bool = True,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
+        sharded_mode: str = "exact",
+        codebook_refresh_every: int = 0,
+    ):
+        if backup_optimizer not in _BACKUPS:
+            raise ValueError(f"backup_optimizer must be one of {_BACKUPS}, got {backup_optimizer!r}")
+        if isinstance(no_decay_substrings, str) or not all(isinstance(s, str) for s in no_decay_substrings):
+            raise TypeError("no_decay_substrings must be a sequence of strings")
+        no_decay = tuple(s.lower() for s in no_decay_substrings)
+        muon_named, backup_named, routing = _route(params, backup_params)
+
+        self.defaults = dict(
+            lr=lr,
+            muon_lr=lr if muon_lr is None else muon_lr,
+            backup_lr=lr if backup_lr is None else backup_lr,
+            weight_decay=weight_decay,
+            muon_weight_decay=weight_decay if muon_weight_decay is None else muon_weight_decay,
+            backup_weight_decay=weight_decay if backup_weight_decay is None else backup_weight_decay,
+            no_decay_substrings=no_decay,
+            backup_optimizer=backup_optimizer,
+        )
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+
+        muon = backup = None
+        if muon_named:
+            muon = GefenMuon(
+                _groups(muon_named, "muon", self.defaults["muon_weight_decay"], no_decay),
+                lr=self.defaults["muon_lr"],
+                weight_decay=self.defaults["muon_weight_decay"],
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_coefficients=ns_coefficients,
+                eps=muon_eps,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn,
+                ns_schedule=ns_schedule,
+                normuon=normuon,
+                normuon_beta2=normuon_beta2,
+                normuon_eps=normuon_eps,
+                sharded_mode=sharded_mode,
+                codebook_refresh_every=codebook_refresh_every,
+            )
+        if backup_named:
+            groups = _groups(backup_named, "backup", self.defaults["backup_weight_decay"], no_decay)
+            common = dict(lr=self.defaults["backup_lr"], betas=betas, eps=eps,
+                          weight_decay=self.defaults["backup_weight_decay"])
+            if backup_optimizer == "gefen":
+                backup = Gefen(
+                    groups, factored=False, codebook_refresh_every=codebook_refresh_every, **common
+                )
+            else:
+                backup = torch.optim.AdamW(groups, **common)
+        self._muon = muon
+        self._backup = backup
+        self._children = tuple(c for c in (muon, backup) if c is not None)
+        self._routing = tuple(routing)
+        self._owner: dict[torch.Tensor, Optimizer] = {}
+        self._state_view = _HybridState(self)
+        self._warned_capturable_if_run_uncaptured = True
+
+    # ------------------------------------------------------------ views
+
+    @property
+    def muon(self) -> GefenMuon | None:
+        """The GefenMuon child (None when no parameter was routed to Muon)."""
+        return self._muon
+
+    @property
+    def backup(self) -> Optimizer | None:
+        """The backup child, Gefen or AdamW (None when every parameter went to Muon)."""
+        return self._backup
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The children's parameter groups, Muon's first: the same dict objects, so
+        changing a value here changes the child."""
+        return [g for c in self._children for g in c.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        raise AttributeError(
+            "GefenMuonHybrid.param_groups is the live concatenation of its children's groups "
+            "and cannot be replaced; change the groups' values instead"
+        )
+
+    @property
+    def state(self) -> _HybridState:
+        """Parameter → state, over both children (a live view)."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value) -> None:
+        raise AttributeError("GefenMuonHybrid.state is a view of its children's state")
+
+    def parameter_routing(self) -> tuple[tuple[str, str], ...]:
+        """The ``(name, role)`` of every parameter, as routed at construction (frozen).
+        Unnamed parameters of the explicit form are called ``muon_params[i]`` /
+        ``backup_params[i]``."""
+        return self._routing
+
+    def _owner_of(self, p) -> Optimizer | None:
+        if not isinstance(p, torch.Tensor):
+            return None
+        child = self._owner.get(p)
+        if child is None:  # groups may have been added to a child since: rebuild
+            self._owner = {q: c for c in self._children for g in c.param_groups for q in g["params"]}
+            child = self._owner.get(p)
+        return child
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: the routing is fixed at construction. Add the group to
+        ``hybrid.muon`` or ``hybrid.backup`` instead (it then appears in
+        ``param_groups``; give it ``"role"`` and ``"gefen_hybrid"`` so checkpoints load)."""
+        raise RuntimeError(
+            "GefenMuonHybrid routes parameters at construction; add a group to hybrid.muon or "
+            "hybrid.backup instead"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step of both children.
+
+        Every gradient of both children is checked (and each quantised child's kernel
+        inputs pre-validated) before either child mutates anything.
+
+        Args:
+            closure (Callable, optional): re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plans = [_prepare(child) for child in self._children]
+        for child, plan in zip(self._children, plans):
+            if isinstance(child, _QuantizedOptimizer):
+                if plan is not None:
+                    child._apply_step(plan)
+            else:
+                child.step()
+        return loss
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """One flat standard ``torch.optim`` state dict: ``state`` keyed by the index of
+        the parameter in the concatenated ``param_groups`` (Muon first), and
+        ``param_groups`` carrying each group's ``role``, the hybrid header and the
+        children's headers. Parameters without state are omitted."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state: dict[int, dict] = {}
+        groups = []
+        index = 0
+        for child in self._children:
+            for group in child.param_groups:
+                packed = {k: v for k, v in group.items() if k != "params"}
+                ids = []
+                for p in group["params"]:
+                    st = child.state.get(p)
+                    if st:
+                        state[index] = dict(st)
+                    ids.append(index)
+                    index += 1
+                packed["params"] = ids
+                groups.append(packed)
+        state_dict = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict produced by :meth:`state_dict` (parameter ids may be any
+        hashable, e.g. the fully qualified names DCP uses).
+
+        The groups must match this hybrid's (count, order, role, backup kind, sizes).
+        The dict is split by role and both halves are fully loaded into scratch copies of
+        the children first; only when both succeed are the children updated, so a bad
+        half leaves both children exactly as they were. Hyper-parameters are restored
+        from the saved groups, as ``torch.optim`` does.
+        """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        halves = self._split(state_dict)
+        scratches = [_loaded_scratch(child, half) for child, half in zip(self._children, halves)]
+        for child, scratch in zip(self._children, scratches):
+            _adopt(child, scratch)
+        self._owner = {}
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _split(self, state_dict) -> list[dict[str, Any]]:
+        """The children's halves of a flat state dict, after the hybrid-level checks."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("a state dict needs 'state' and 'param_groups'")
+        saved = state_dict["param_groups"]
+        live = self.param_groups
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(f"loaded state dict has {n} parameter groups, the hybrid {len(live)}")
+        owner_of_id: dict[Any, int] = {}
+        halves = []
+        gi = 0
+        for ci, child in enumerate(self._children):
+            groups = []
+            for _ in child.param_groups:
+                sg, g = saved[gi], live[gi]
+                if not isinstance(sg, dict):
+                    raise ValueError(f"parameter group {gi}: expected a dict, got {type(sg).__name__}")
+                if sg.get("gefen_hybrid") != HYBRID_SCHEMA:
+                    raise ValueError(
+                        f"parameter group {gi}: not a GefenMuonHybrid state dict of schema "
+                        f"{HYBRID_SCHEMA} (group header 'gefen_hybrid' is {sg.get('gefen_hybrid')!r})"
+                    )
+                if sg.get("role") != g["role"]:
+                    raise ValueError(
+                        f"parameter group {gi}: role {sg.get('role')!r} in the state dict, "
+                        f"{g['role']!r} in this hybrid"
+                    )
+                if sg.get("gefen_kind") != g.get("gefen_kind"):
+                    raise ValueError(
+                        f"parameter group {gi} ({g['role']}): saved by a {_kind_name(sg)} child, "
+                        f"but this hybrid's is {_kind_name(g)}"
+                    )
+                ids = sg.get("params")
+                if not isinstance(ids, (list, tuple)) or len(ids) != len(g["params"]):
+                    raise ValueError(
+                        f"parameter group {gi}: the loaded state dict has "
+                        f"{len(ids) if isinstance(ids, (list, tuple)) else ids!r} parameters, "
+                        f"the hybrid {len(g['params'])}"
+                    )
+                for pid in ids:
+                    if pid in owner_of_id:
+                        raise ValueError(f"parameter id {pid!r} appears in more than one place")
+                    owner_of_id[pid] = ci
+                groups.append(sg)
+                gi += 1
+            halves.append({"state": {}, "param_groups": groups})
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"'state' must be a dict, got {type(saved_state).__name__}")
+        for pid, st in saved_state.items():
+            if pid not in owner_of_id:
+                raise ValueError(f"loaded state refers to parameter id {pid!r}, which no group holds")
+            if isinstance(st, dict) and not st:
+                continue  # an empty entry is "no state" (DCP creates them when it reads state)
+            halves[owner_of_id[pid]]["state"][pid] = st
+        return halves
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _kind_name(group: dict) -> str:
+    kind = group.get("gefen_kind")
+    return repr(kind) if kind is not None else "non-gefen (AdamW)"
+
+
+def _named(items, label: str) -> list[tuple[str, torch.Tensor]]:
+    """Tensors or (name, tensor) pairs → (name, tensor) pairs; unnamed get ``label[i]``."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            out.append(item)
+        elif isinstance(item, torch.Tensor):
+            out.append((f"{label}[{i}]", item))
+        elif isinstance(item, dict):
+            raise TypeError(
+                "GefenMuonHybrid builds its own parameter groups; pass tensors or (name, tensor) "
+                "pairs, not group dicts"
+            )
+        else:
+            raise TypeError(
+                f"{label}[{i}]: expected a tensor or a (name, tensor) pair, got {type(item).__name__}"
+            )
+    return out
+
+
+def _route(params, backup_params):
+    """(muon pairs, backup pairs, routing table); each pair keeps whether it was named."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be a module, (name, tensor) pairs or a list of tensors, not a tensor")
+    if isinstance(params, nn.Module):
+        if backup_params is not None:
+            raise TypeError("backup_params is only for the explicit (muon_params, backup_params) form")
+        embeddings = [
+            m.weight for m in params.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        ]
+        named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+        muon, backup, routing = [], [], []
+        for name, p in named:
+            check_param(p, name)
+            role = "muon" if is_muon_parameter(name, p, embeddings) else "backup"
+            (muon if role == "muon" else backup).append(((name, p), True))
+            routing.append((name, role))
+    elif backup_params is not None:
+        muon_items, backup_items = list(params), list(backup_params)
+        muon, backup, routing = [], [], []
+        for items, label, dest in (
+            (muon_items, "muon_params", muon),
+            (backup_items, "backup_params", backup),
+        ):
+            for item, pair in zip(items, _named(items, label)):
+                check_param(pair[1], pair[0])
+                dest.append((pair, isinstance(item, tuple)))
+                routing.append((pair[0], "muon" if dest is muon else "backup"))
+    else:
+        items = list(params)
+        if items and not all(isinstance(i, tuple) for i in items):
+            raise TypeError(
+                "GefenMuonHybrid routes by name: pass a module, named_parameters() pairs, or the "
+                "explicit form GefenMuonHybrid(muon_params, backup_params, ...)"
+            )
+        muon, backup, routing = [], [], []
+        for name, p in _named(items, "params"):
+            check_param(p, name)
+            role = "muon" if is_muon_parameter(name, p) else "backup"
+            (muon if role == "muon" else backup).append(((name, p), True))
+            routing.append((name, role))
+    seen: dict[torch.Tensor, str] = {}
+    for (name, p), _ in chain(muon, backup):
+        if p in seen:
+            raise ValueError(f"parameter '{name}' is the same tensor as '{seen[p]}'; pass each once")
+        seen[p] = name
+    if not muon and not backup:
+        raise ValueError("optimizer got an empty parameter list")
+    return muon, backup, routing
+
+
+def _groups(named, role: str, weight_decay, no_decay: tuple[str, ...]) -> list[dict]:
+    """The decay and no-decay groups of one child (empty ones left out)."""
+    decay, plain = [], []
+    for (name, p), keep_name in named:
+        entry = (name, p) if keep_name else p
+        (plain if any(s in name.lower() for s in no_decay) else decay).append(entry)
+    groups = []
+    for entries, wd in ((decay, weight_decay), (plain, 0.0)):
+        if entries:
+            groups.append(
+                {"params": entries, "weight_decay": wd, "role": role, "gefen_hybrid": HYBRID_SCHEMA}
+            )
+    return groups
+
+
+def _prepare(child: Optimizer):
+    """Every check ``child.step()`` makes before it mutates anything: a gefen child's
+    prepared (validated, not yet applied) step; for torch.optim.AdamW, the gradient
+    checks (sparse, complex, shape, dtype, device)."""
+    if isinstance(child, _QuantizedOptimizer):
+        return child._prepare_step()
+    collect_slots(child.param_groups)
+    return None
+
+
+def _loaded_scratch(child: Optimizer, half: dict) -> Optimizer:
+    """A shallow copy of ``child`` with ``half`` loaded into it; ``child`` is untouched."""
+    scratch = object.__new__(type(child))
+    scratch.__dict__.update(child.__dict__)
+    scratch.param_groups = [dict(g) for g in child.param_groups]
+    scratch.state = defaultdict(dict)
+    for name in _LOAD_HOOKS:
+        setattr(scratch, name, OrderedDict())
+    type(child).load_state_dict(scratch, half)
+    return scratch
+
+
+def _adopt(child: Optimizer, scratch: Optimizer) -> None:
+    """Install what a successful load put into ``scratch`` into ``child``."""
+    for key, value in scratch.__dict__.items():
+        if key not in _LOAD_HOOKS:
+            setattr(child, key, value)
