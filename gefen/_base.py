@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, Slot, check_param, collect_slots, param_name, rows_cols
 from ._learning import Reducer, choose_period, learn_codebook
@@ -217,9 +218,22 @@ class _QuantizedOptimizer(Optimizer):
         if self._quantizer is None:
             return
         table = self._quantizer.remap_table(new_quantizer)
+        maps = {}
         for st in self.state.values():
             if "codes" in st:
-                _C.codes_remap(st["codes"], table, self._nthreads())
+                codes = st["codes"]
+                if codes.device not in maps:
+                    maps[codes.device] = code_map(table, codes.device)
+                _C.codes_remap(codes, maps[codes.device], self._nthreads(), stream_of(codes.device))
+
+    def _device_table(self, quantizer, device: torch.device):
+        """The quantiser's lookup table on ``device`` (None on the CPU), cached."""
+        if device.type == "cpu":
+            return None
+        tables = self.__dict__.get("_tables")
+        if tables is None or tables.quantizer is not quantizer:
+            tables = self._tables = DeviceTables(quantizer)
+        return tables.get(device)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._device import stream_of
 from ._ext import _C
 from ._layout import rows_cols
 
@@ -34,13 +35,13 @@ def choose_period(
     if mode == "row":
         return cols
     cands = torch.tensor(_C.period_candidates(cols, numel), dtype=torch.int64)
-    sums = torch.zeros(len(cands), dtype=torch.float64)
-    counts = torch.zeros(len(cands), dtype=torch.float64)
-    _C.period_stats(name, grad.contiguous(), cands, sums, counts, nthreads)
+    sums = torch.zeros(len(cands), dtype=torch.float64, device=grad.device)
+    counts = torch.zeros(len(cands), dtype=torch.float64, device=grad.device)
+    _C.period_stats(name, grad.contiguous(), cands, sums, counts, nthreads, stream_of(grad.device))
     if reduce is not None:
         reduce(sums)
         reduce(counts)
-    return _C.period_choose(cols, numel, len(global_shape), cands, sums, counts)
+    return _C.period_choose(cols, numel, len(global_shape), cands, sums.cpu(), counts.cpu())
 
 
 def learn_codebook(
@@ -49,9 +50,17 @@ def learn_codebook(
     reduce: Reducer | None = None,
 ) -> torch.Tensor:
     """The 256-entry codebook learned from ``(name, grad, period)`` items."""
-    hist = torch.zeros(_C.HIST_BINS, dtype=torch.int64)
+    per_device: dict[torch.device, torch.Tensor] = {}
     for name, grad, period in items:
-        _C.histogram(name, grad.contiguous(), period, hist, nthreads)
+        hist = per_device.get(grad.device)
+        if hist is None:
+            hist = per_device[grad.device] = torch.zeros(
+                _C.HIST_BINS, dtype=torch.int64, device=grad.device
+            )
+        _C.histogram(name, grad.contiguous(), period, hist, nthreads, stream_of(grad.device))
+    hist = torch.zeros(_C.HIST_BINS, dtype=torch.int64)
+    for h in per_device.values():
+        hist += h.cpu()
     if reduce is not None:
         reduce(hist)
     codebook = torch.empty(_C.CODEBOOK_SIZE, dtype=torch.float32)

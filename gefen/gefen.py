@@ -8,6 +8,7 @@ import math
 import torch
 
 from ._base import StepPlan, _QuantizedOptimizer, block_state
+from ._device import group_by_device, stream_of
 from ._ext import _C
 from ._layout import as_float, rows_cols
 from ._state import StateError, as_int, check_keys, check_tensor, COMMON_KEYS
@@ -180,13 +181,17 @@ class Gefen(_QuantizedOptimizer):
                     bool(group["stochastic_round"]), seed,
                 )
             )
-        _C.adam_validate(items)
+        for group_items in group_by_device(items, lambda it: it[1].device).values():
+            _C.adam_validate(group_items)
         plan.payload = (items, copies)
 
     def _run_update(self, plan: StepPlan) -> None:
         items, copies = plan.payload
         nt = self._nthreads()
-        _C.adam_factored_stats(items, nt)
-        _C.adam_update(items, plan.quantizer, nt)
+        for device, group in group_by_device(items, lambda it: it[1].device).items():
+            stream = stream_of(device)
+            _C.adam_factored_stats(group, nt, stream)
+            table = self._device_table(plan.quantizer, device)
+            _C.adam_update(group, plan.quantizer, nt, stream, table)
         for p, pc in copies:
             p.copy_(pc)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ._base import StepPlan, _QuantizedOptimizer, block_state
+from ._device import group_by_device, stream_of
 from ._ext import _C
 from ._layout import Slot, as_float, param_name, rows_cols
 from ._state import COMMON_KEYS, check_keys, check_tensor
@@ -384,36 +385,38 @@ class GefenMuon(_QuantizedOptimizer):
             yield chunk
 
     def _prepare_update(self, plan: StepPlan) -> None:
-        """Validate every momentum item with ``_C.muon_validate`` (outputs are views of
-        one scratch buffer: validation reads only their sizes)."""
-        slots = plan.slots
-        scratch = torch.empty(
-            max(s.param.numel() for s in slots), dtype=torch.bfloat16, device=slots[0].param.device
-        )
-        items = []
-        for s in slots:
-            out = scratch[: s.param.numel()].view(s.param.shape)
-            items.append(self._item(s, plan.state_of(self, s.param), self._grad_of(s), out))
-        _C.muon_validate(items)
+        """Validate every momentum item with ``_C.muon_validate``, per device (outputs
+        are views of one scratch buffer: validation reads only their sizes)."""
+        for device, slots in group_by_device(plan.slots, lambda s: s.param.device).items():
+            scratch = torch.empty(
+                max(s.param.numel() for s in slots), dtype=torch.bfloat16, device=device
+            )
+            items = []
+            for s in slots:
+                out = scratch[: s.param.numel()].view(s.param.shape)
+                items.append(self._item(s, plan.state_of(self, s.param), self._grad_of(s), out))
+            _C.muon_validate(items)
 
     def _run_update(self, plan: StepPlan) -> None:
         nt = self._nthreads()
-        for chunk in self._chunks(plan.slots):
-            outs = [torch.empty(s.param.shape, dtype=torch.bfloat16, device=s.param.device) for s in chunk]
-            items = [
-                self._item(s, plan.state_of(self, s.param), self._grad_of(s), out)
-                for s, out in zip(chunk, outs)
-            ]
-            _C.muon_momentum(items, plan.quantizer, nt)
-            for s, out in zip(chunk, outs):
-                st = plan.state_of(self, s.param)
-                update = self._orthogonalize(s, out)
-                if s.group["normuon"]:
-                    update = normuon_normalize(
-                        update, st["v"], float(s.group["normuon_beta2"]),
-                        float(s.group["normuon_eps"]), st["step"] + 1,
-                    )
-                self._apply_update(s, update)
+        for device, slots in group_by_device(plan.slots, lambda s: s.param.device).items():
+            stream, table = stream_of(device), self._device_table(plan.quantizer, device)
+            for chunk in self._chunks(slots):
+                outs = [torch.empty(s.param.shape, dtype=torch.bfloat16, device=device) for s in chunk]
+                items = [
+                    self._item(s, plan.state_of(self, s.param), self._grad_of(s), out)
+                    for s, out in zip(chunk, outs)
+                ]
+                _C.muon_momentum(items, plan.quantizer, nt, stream, table)
+                for s, out in zip(chunk, outs):
+                    st = plan.state_of(self, s.param)
+                    update = self._orthogonalize(s, out)
+                    if s.group["normuon"]:
+                        update = normuon_normalize(
+                            update, st["v"], float(s.group["normuon_beta2"]),
+                            float(s.group["normuon_eps"]), st["step"] + 1,
+                        )
+                    self._apply_update(s, update)
 
     def _orthogonalize(self, s: Slot, ns_input: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of one parameter's full matrix. (Sharded modes will gather the

@@ -272,43 +272,6 @@ static PyObject *py_codebook_validate(PyObject *self, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
-/* codes_remap(codes: uint8 tensor, map: bytes of 256, nthreads) */
-static PyObject *py_codes_remap(PyObject *self, PyObject *args) {
-  (void)self;
-  PyObject *c_obj;
-  const char *map;
-  Py_ssize_t map_len;
-  int nthreads = 0;
-  if (!PyArg_ParseTuple(args, "Oy#|i", &c_obj, &map, &map_len, &nthreads)) return NULL;
-  if (map_len != GEFEN_CODEBOOK_SIZE) {
-    PyErr_SetString(PyExc_ValueError, "the code map must have 256 entries");
-    return NULL;
-  }
-  gefen_view_keep keep = {NULL};
-  gefen_view c;
-  const DLDevice cpu = {kDLCPU, 0};
-  PyObject *result = NULL;
-  if (gefen_view_get(c_obj, &c, &keep, "<codes>", "the codes") != 0 ||
-      gefen_view_expect(&c, "<codes>", "the codes", kDLUInt, 8, c.numel, cpu) != 0)
-    goto done;
-  {
-    gefen_error err;
-    gefen_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gefen_codes_remap((uint8_t *)c.data, c.numel, (const uint8_t *)map,
-                           nthreads > 0 ? nthreads : 0, &err);
-    Py_END_ALLOW_THREADS
-    if (st != GEFEN_OK) {
-      gefen_raise_status(st, NULL, err.msg);
-      goto done;
-    }
-  }
-  result = Py_NewRef(Py_None);
-done:
-  gefen_view_keep_release(&keep);
-  return result;
-}
-
 static PyObject *py_sr_uniform(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long seed;
@@ -329,35 +292,45 @@ static PyObject *py_has_threads(PyObject *self, PyObject *unused) {
   return PyBool_FromLong(gefen_core_has_threads());
 }
 
+#define KW(f) (PyCFunction)(void (*)(void))(f), METH_VARARGS | METH_KEYWORDS
+
 static PyMethodDef module_methods[] = {
     {"core_version", py_core_version, METH_NOARGS, "core_version() -> int"},
     {"has_threads", py_has_threads, METH_NOARGS, "has_threads() -> bool: built with OpenMP"},
+    {"built_with_cuda", gefen_py_built_with_cuda, METH_NOARGS,
+     "built_with_cuda() -> bool: the CUDA kernels are compiled in"},
+    {"cuda_available", gefen_py_cuda_available, METH_NOARGS,
+     "cuda_available() -> bool: built with CUDA and a device is visible"},
     {"period_candidates", py_period_candidates, METH_VARARGS,
      "period_candidates(cols, numel) -> list of candidate periods"},
     {"period_stats", gefen_py_period_stats, METH_VARARGS,
-     "period_stats(name, grad, candidates, sums, counts, nthreads=0): add phase-1 statistics"},
+     "period_stats(name, grad, candidates, sums, counts, nthreads=0, stream=None): add "
+     "phase-1 statistics"},
     {"period_choose", py_period_choose, METH_VARARGS,
      "period_choose(cols, numel, ndim, candidates, sums, counts) -> period"},
     {"histogram", gefen_py_histogram, METH_VARARGS,
-     "histogram(name, grad, period, hist, nthreads=0): add the block-normalised histogram"},
+     "histogram(name, grad, period, hist, nthreads=0, stream=None): add the block-normalised "
+     "histogram"},
     {"codebook_solve", py_codebook_solve, METH_VARARGS,
      "codebook_solve(hist, out): the exact k-means codebook of a histogram"},
     {"codebook_validate", py_codebook_validate, METH_O,
      "codebook_validate(codebook): raise ValueError unless it is a valid codebook"},
-    {"codes_remap", py_codes_remap, METH_VARARGS,
-     "codes_remap(codes, map, nthreads=0): codes[i] = map[codes[i]]"},
+    {"codes_remap", gefen_py_codes_remap, METH_VARARGS,
+     "codes_remap(codes, map, nthreads=0, stream=None): codes[i] = map[codes[i]]"},
     {"sr_uniform", py_sr_uniform, METH_VARARGS,
      "sr_uniform(seed, global_index) -> the stochastic-rounding variate"},
-    {"adam_validate", gefen_py_adam_validate, METH_VARARGS,
+    {"adam_validate", KW(gefen_py_adam_validate),
      "adam_validate(items): every check of adam_update, touching nothing"},
-    {"adam_factored_stats", gefen_py_adam_factored_stats, METH_VARARGS,
-     "adam_factored_stats(items, nthreads=0): factored phase 1 of a Gefen step"},
-    {"adam_update", gefen_py_adam_update, METH_VARARGS,
-     "adam_update(items, quantizer, nthreads=0): the fused Gefen update"},
-    {"muon_validate", gefen_py_muon_validate, METH_VARARGS,
+    {"adam_factored_stats", KW(gefen_py_adam_factored_stats),
+     "adam_factored_stats(items, nthreads=0, stream=None): factored phase 1 of a Gefen step"},
+    {"adam_update", KW(gefen_py_adam_update),
+     "adam_update(items, quantizer, nthreads=0, stream=None, device_table=None): the fused "
+     "Gefen update"},
+    {"muon_validate", KW(gefen_py_muon_validate),
      "muon_validate(items): every check of muon_momentum, touching nothing"},
-    {"muon_momentum", gefen_py_muon_momentum, METH_VARARGS,
-     "muon_momentum(items, quantizer, nthreads=0): GefenMuon's quantised momentum"},
+    {"muon_momentum", KW(gefen_py_muon_momentum),
+     "muon_momentum(items, quantizer, nthreads=0, stream=None, device_table=None): GefenMuon's "
+     "quantised momentum"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

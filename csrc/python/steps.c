@@ -1,11 +1,18 @@
 /* The per-step entry points of gefen._C: a whole group of parameters per
  * call. Every tensor is checked (device, dtype, shape, contiguity, overlap)
- * before the core touches anything; the GIL is released around the core. */
+ * before the core touches anything; the GIL is released around the core.
+ *
+ * A call's tensors all live on one device. CPU calls run the C core; CUDA
+ * calls (builds with GEFEN_WITH_CUDA) run the kernels/ launchers on the
+ * stream Python passes, with the quantiser's table as a device tensor. */
 #include "steps.h"
 
 #include <stdlib.h>
 
 #include "quantizer_type.h"
+#ifdef GEFEN_WITH_CUDA
+#include "gefen_cuda.h"
+#endif
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -35,8 +42,6 @@ static int check_disjoint(span *spans, Py_ssize_t n, const char *const *names) {
   return 0;
 }
 
-static const DLDevice cpu_device = {kDLCPU, 0};
-
 static int get_f32(PyObject *obj, gefen_view *v, gefen_view_keep *keep, const char *name,
                    const char *what, int64_t numel, DLDevice dev, float **out) {
   if (obj == Py_None) {
@@ -61,8 +66,28 @@ static int get_f64(PyObject *obj, gefen_view *v, gefen_view_keep *keep, const ch
   return 0;
 }
 
-/* The parameter (and its gradient) of an item: a supported float dtype on
- * the CPU, contiguous, gradient of the same dtype and shape. */
+/* A device the build can compute on: the CPU, or CUDA in CUDA builds. */
+static int check_device(DLDevice dev, const char *name, const char *what) {
+  if (dev.device_type == kDLCPU) return 0;
+#ifdef GEFEN_WITH_CUDA
+  if (dev.device_type == kDLCUDA) return 0;
+  PyErr_Format(PyExc_ValueError, "parameter '%s': %s is on device type %d (gefen computes on "
+               "the CPU and on CUDA)", name, what, (int)dev.device_type);
+#else
+  PyErr_Format(PyExc_ValueError,
+               "parameter '%s': %s is on device type %d, but this build of gefen computes on "
+               "the CPU only (rebuild with nvcc available, or GEFEN_CUDA=1, for CUDA)",
+               name, what, (int)dev.device_type);
+#endif
+  return -1;
+}
+
+static int same_device(DLDevice a, DLDevice b) {
+  return a.device_type == b.device_type && a.device_id == b.device_id;
+}
+
+/* A parameter (and its gradient): a supported float dtype, contiguous, on a
+ * device this build computes on; the gradient of the same dtype and shape. */
 static int get_param_grad(PyObject *p_obj, PyObject *g_obj, gefen_view *p, gefen_view *g,
                           gefen_view_keep *keep, const char *name, const char *what,
                           gefen_dtype *dtype) {
@@ -75,13 +100,7 @@ static int get_param_grad(PyObject *p_obj, PyObject *g_obj, gefen_view *p, gefen
                  name, what, gefen_view_dtype_name(p->dtype));
     return -1;
   }
-  if (p->device.device_type != kDLCPU) {
-    PyErr_Format(PyExc_ValueError,
-                 "parameter '%s': %s is on device type %d, which this build does not support "
-                 "(CPU only)",
-                 name, what, (int)p->device.device_type);
-    return -1;
-  }
+  if (check_device(p->device, name, what) != 0) return -1;
   if (!p->contiguous) {
     PyErr_Format(PyExc_ValueError, "parameter '%s': %s must be contiguous", name, what);
     return -1;
@@ -115,13 +134,89 @@ static int raise_core(gefen_status st, const gefen_error *err, const char *const
 
 static int get_nthreads(int nthreads) { return nthreads > 0 ? nthreads : 0; }
 
+/* How a call runs: threads (CPU), or stream and device table (CUDA). */
+typedef struct {
+  int nthreads;
+  void *stream;
+  PyObject *table_obj; /* the quantiser's table as a uint8 device tensor, or None */
+  DLDevice device;     /* of the call's first parameter */
+} call_options;
+
+/* One device for a call: every item's device equals the first one's. */
+static int check_one_device(call_options *opt, DLDevice dev, const char *name, Py_ssize_t i) {
+  if (i == 0) {
+    opt->device = dev;
+    return 0;
+  }
+  if (same_device(dev, opt->device)) return 0;
+  PyErr_Format(PyExc_ValueError,
+               "parameter '%s' is on device (%d, %d), the call's first parameter on (%d, %d); "
+               "one call steps the parameters of one device",
+               name, (int)dev.device_type, (int)dev.device_id, (int)opt->device.device_type,
+               (int)opt->device.device_id);
+  return -1;
+}
+
+#ifdef GEFEN_WITH_CUDA
+/* The device copy of the quantiser's table for a CUDA call. */
+static const gefen_quant_table *device_table(const call_options *opt, gefen_view_keep *keep) {
+  gefen_view v;
+  if (!opt->table_obj || opt->table_obj == Py_None) {
+    PyErr_SetString(PyExc_ValueError, "a CUDA step needs the quantizer table on the device");
+    return NULL;
+  }
+  if (gefen_view_get(opt->table_obj, &v, keep, "<quantizer>", "the device table") != 0 ||
+      gefen_view_expect(&v, "<quantizer>", "the device table", kDLUInt, 8,
+                        (int64_t)sizeof(gefen_quant_table), opt->device) != 0)
+    return NULL;
+  return (const gefen_quant_table *)v.data;
+}
+
+/* Runs `body` with the call's device current, restoring the previous one. */
+#define WITH_CUDA_DEVICE(opt, err, st, body)                                  \
+  do {                                                                        \
+    int previous_ = 0;                                                        \
+    st = gefen_cuda_set_device((opt)->device.device_id, &previous_, (err));   \
+    if (st == GEFEN_OK) {                                                     \
+      body;                                                                   \
+      gefen_error ignored_;                                                   \
+      gefen_cuda_set_device(previous_, NULL, &ignored_);                      \
+    }                                                                         \
+  } while (0)
+#endif
+
+static int parse_options(PyObject *args, PyObject *kwargs, PyObject **list, PyObject **qobj,
+                         int need_quantizer, call_options *opt) {
+  static char *kw_q[] = {"items", "quantizer", "nthreads", "stream", "device_table", NULL};
+  static char *kw[] = {"items", "nthreads", "stream", NULL};
+  PyObject *stream_obj = NULL;
+  opt->nthreads = 0;
+  opt->table_obj = NULL;
+  opt->stream = NULL;
+  if (need_quantizer) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!|iOO", kw_q, &PyList_Type, list,
+                                     &GefenQuantizer_Type, qobj, &opt->nthreads, &stream_obj,
+                                     &opt->table_obj))
+      return -1;
+  } else {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|iO", kw, &PyList_Type, list,
+                                     &opt->nthreads, &stream_obj))
+      return -1;
+  }
+  if (stream_obj && stream_obj != Py_None) {
+    opt->stream = PyLong_AsVoidPtr(stream_obj);
+    if (!opt->stream && PyErr_Occurred()) return -1;
+  }
+  return 0;
+}
+
 /* ------------------------------------------------------------ Gefen steps */
 
 /* (name, param, grad, codes, magnitude, vmean, v_row, v_col, col_stats,
  *  row_stats, period, row_offset, global_rows, step, lr, beta1, beta2, eps,
  *  weight_decay, stochastic_round, seed) */
 static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **name,
-                           gefen_view_keep *keep, span *sp) {
+                           gefen_view_keep *keep, span *sp, DLDevice *device) {
   PyObject *name_obj, *p_obj, *g_obj, *codes_obj, *mag_obj, *vmean_obj, *vrow_obj, *vcol_obj,
       *cstats_obj, *rstats_obj;
   long long period, row_offset, global_rows, step;
@@ -140,7 +235,8 @@ static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **na
   *name = PyUnicode_AsUTF8(name_obj);
   if (!*name) return -1;
   gefen_view p, g, v;
-  if (get_param_grad(p_obj, g_obj, &p, &g, keep, *name, "the parameter", &it->dtype) != 0) return -1;
+  if (get_param_grad(p_obj, g_obj, &p, &g, keep, *name, "the parameter", &it->dtype) != 0)
+    return -1;
   const int64_t rows = p.rows, cols = p.cols;
   if (period < 1 || (cols > 0 && cols % period)) {
     PyErr_Format(PyExc_ValueError, "parameter '%s': period %lld does not divide %lld", *name,
@@ -177,28 +273,25 @@ static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **na
   it->seed = seed;
   sp->begin = (uintptr_t)p.data;
   sp->end = sp->begin + (uintptr_t)(p.numel * (int64_t)gefen_dtype_size(it->dtype));
+  *device = dev;
   return 0;
 }
 
-typedef gefen_status (*adam_fn)(const gefen_adam_item *, int64_t, const gefen_quantizer *,
-                                int, gefen_error *);
+typedef enum { OP_VALIDATE, OP_STATS, OP_UPDATE } adam_op;
 
-static gefen_status adam_stats_call(const gefen_adam_item *items, int64_t n,
-                                    const gefen_quantizer *q, int nthreads, gefen_error *err) {
-  (void)q;
-  return gefen_adam_factored_stats(items, n, nthreads, err);
+static gefen_status adam_cpu(adam_op op, const gefen_adam_item *items, int64_t n,
+                             const gefen_quantizer *q, int nthreads, gefen_error *err) {
+  switch (op) {
+    case OP_STATS: return gefen_adam_factored_stats(items, n, nthreads, err);
+    case OP_UPDATE: return gefen_adam_update(items, n, q, nthreads, err);
+    default: return gefen_adam_validate(items, n, err);
+  }
 }
 
-static PyObject *run_adam(PyObject *args, int with_quantizer, adam_fn fn) {
+static PyObject *run_adam(PyObject *args, PyObject *kwargs, adam_op op) {
   PyObject *list, *qobj = NULL;
-  int nthreads = 0;
-  if (with_quantizer) {
-    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &list, &GefenQuantizer_Type, &qobj,
-                          &nthreads))
-      return NULL;
-  } else {
-    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &list, &nthreads)) return NULL;
-  }
+  call_options opt;
+  if (parse_options(args, kwargs, &list, &qobj, op == OP_UPDATE, &opt) != 0) return NULL;
   const Py_ssize_t n = PyList_GET_SIZE(list);
   gefen_adam_item *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *items);
   const char **names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *names);
@@ -210,22 +303,42 @@ static PyObject *run_adam(PyObject *args, int with_quantizer, adam_fn fn) {
     goto done;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
+    DLDevice dev;
     spans[i].index = i;
-    if (parse_adam_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep, &spans[i]) != 0)
+    if (parse_adam_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep, &spans[i],
+                        &dev) != 0 ||
+        check_one_device(&opt, dev, names[i], i) != 0)
       goto done;
   }
   if (check_disjoint(spans, n, names) != 0) goto done;
-  {
+  if (n == 0 || op == OP_VALIDATE || opt.device.device_type == kDLCPU) {
     gefen_error err;
     gefen_status st;
     const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = fn(items, n, q, get_nthreads(nthreads), &err);
+    st = adam_cpu(op, items, n, q, get_nthreads(opt.nthreads), &err);
     Py_END_ALLOW_THREADS
     if (st != GEFEN_OK) {
       raise_core(st, &err, names, n);
       goto done;
     }
+  } else {
+#ifdef GEFEN_WITH_CUDA
+    gefen_error err;
+    gefen_status st = GEFEN_OK;
+    const gefen_quant_table *table = NULL;
+    if (op == OP_UPDATE && !(table = device_table(&opt, &keep))) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    WITH_CUDA_DEVICE(&opt, &err, st,
+                     st = op == OP_STATS
+                              ? gefen_cuda_adam_factored_stats(items, n, NULL, 0, opt.stream, &err)
+                              : gefen_cuda_adam_update(items, n, table, NULL, 0, opt.stream, &err));
+    Py_END_ALLOW_THREADS
+    if (st != GEFEN_OK) {
+      raise_core(st, &err, names, n);
+      goto done;
+    }
+#endif
   }
   result = Py_NewRef(Py_None);
 done:
@@ -236,33 +349,26 @@ done:
   return result;
 }
 
-static gefen_status adam_validate_call(const gefen_adam_item *items, int64_t n,
-                                       const gefen_quantizer *q, int nthreads, gefen_error *err) {
-  (void)q;
-  (void)nthreads;
-  return gefen_adam_validate(items, n, err);
+PyObject *gefen_py_adam_validate(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  return run_adam(args, kwargs, OP_VALIDATE);
 }
 
-PyObject *gefen_py_adam_validate(PyObject *self, PyObject *args) {
+PyObject *gefen_py_adam_factored_stats(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  return run_adam(args, 0, adam_validate_call);
+  return run_adam(args, kwargs, OP_STATS);
 }
 
-PyObject *gefen_py_adam_factored_stats(PyObject *self, PyObject *args) {
+PyObject *gefen_py_adam_update(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  return run_adam(args, 0, adam_stats_call);
-}
-
-PyObject *gefen_py_adam_update(PyObject *self, PyObject *args) {
-  (void)self;
-  return run_adam(args, 1, gefen_adam_update);
+  return run_adam(args, kwargs, OP_UPDATE);
 }
 
 /* -------------------------------------------------------- Muon momentum */
 
 /* (name, grad, codes, magnitude, out, period, beta, nesterov) */
 static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **name,
-                           gefen_view_keep *keep) {
+                           gefen_view_keep *keep, DLDevice *device) {
   PyObject *name_obj, *g_obj, *codes_obj, *mag_obj, *out_obj;
   long long period;
   int nesterov;
@@ -276,7 +382,8 @@ static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **na
   *name = PyUnicode_AsUTF8(name_obj);
   if (!*name) return -1;
   gefen_view g, v;
-  if (get_param_grad(g_obj, NULL, &g, NULL, keep, *name, "the gradient", &it->dtype) != 0) return -1;
+  if (get_param_grad(g_obj, NULL, &g, NULL, keep, *name, "the gradient", &it->dtype) != 0)
+    return -1;
   if (period < 1 || (g.cols > 0 && g.cols % period)) {
     PyErr_Format(PyExc_ValueError, "parameter '%s': period %lld does not divide %lld", *name,
                  period, (long long)g.cols);
@@ -306,22 +413,14 @@ static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **na
   it->cols = g.cols;
   it->period = period;
   it->nesterov = nesterov;
+  *device = g.device;
   return 0;
 }
 
-typedef gefen_status (*muon_fn)(const gefen_muon_item *, int64_t, const gefen_quantizer *, int,
-                                gefen_error *);
-
-static PyObject *run_muon(PyObject *args, int with_quantizer, muon_fn fn) {
+static PyObject *run_muon(PyObject *args, PyObject *kwargs, int validate_only) {
   PyObject *list, *qobj = NULL;
-  int nthreads = 0;
-  if (with_quantizer) {
-    if (!PyArg_ParseTuple(args, "O!O!|i", &PyList_Type, &list, &GefenQuantizer_Type, &qobj,
-                          &nthreads))
-      return NULL;
-  } else {
-    if (!PyArg_ParseTuple(args, "O!|i", &PyList_Type, &list, &nthreads)) return NULL;
-  }
+  call_options opt;
+  if (parse_options(args, kwargs, &list, &qobj, !validate_only, &opt) != 0) return NULL;
   const Py_ssize_t n = PyList_GET_SIZE(list);
   gefen_muon_item *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *items);
   const char **names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *names);
@@ -331,19 +430,39 @@ static PyObject *run_muon(PyObject *args, int with_quantizer, muon_fn fn) {
     PyErr_NoMemory();
     goto done;
   }
-  for (Py_ssize_t i = 0; i < n; i++)
-    if (parse_muon_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep) != 0) goto done;
-  {
+  for (Py_ssize_t i = 0; i < n; i++) {
+    DLDevice dev;
+    if (parse_muon_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep, &dev) != 0 ||
+        check_one_device(&opt, dev, names[i], i) != 0)
+      goto done;
+  }
+  if (n == 0 || validate_only || opt.device.device_type == kDLCPU) {
     gefen_error err;
     gefen_status st;
     const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
     Py_BEGIN_ALLOW_THREADS
-    st = fn(items, n, q, get_nthreads(nthreads), &err);
+    st = validate_only ? gefen_muon_validate(items, n, &err)
+                       : gefen_muon_momentum(items, n, q, get_nthreads(opt.nthreads), &err);
     Py_END_ALLOW_THREADS
     if (st != GEFEN_OK) {
       raise_core(st, &err, names, n);
       goto done;
     }
+  } else {
+#ifdef GEFEN_WITH_CUDA
+    gefen_error err;
+    gefen_status st = GEFEN_OK;
+    const gefen_quant_table *table = device_table(&opt, &keep);
+    if (!table) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    WITH_CUDA_DEVICE(&opt, &err, st,
+                     st = gefen_cuda_muon_momentum(items, n, table, opt.stream, &err));
+    Py_END_ALLOW_THREADS
+    if (st != GEFEN_OK) {
+      raise_core(st, &err, names, n);
+      goto done;
+    }
+#endif
   }
   result = Py_NewRef(Py_None);
 done:
@@ -353,55 +472,63 @@ done:
   return result;
 }
 
-static gefen_status muon_validate_call(const gefen_muon_item *items, int64_t n,
-                                       const gefen_quantizer *q, int nthreads, gefen_error *err) {
-  (void)q;
-  (void)nthreads;
-  return gefen_muon_validate(items, n, err);
+PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  return run_muon(args, kwargs, 1);
 }
 
-PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args) {
+PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  return run_muon(args, 0, muon_validate_call);
-}
-
-PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args) {
-  (void)self;
-  return run_muon(args, 1, gefen_muon_momentum);
+  return run_muon(args, kwargs, 0);
 }
 
 /* ------------------------------------------------- first-step statistics */
 
-/* period_stats(name, grad, candidates: int64, sums: float64, counts: float64, nthreads) */
+/* period_stats(name, grad, candidates, sums, counts, nthreads=0, stream=None):
+ * candidates int64 on the CPU; sums/counts float64 on the gradient's device. */
 PyObject *gefen_py_period_stats(PyObject *self, PyObject *args) {
   (void)self;
   const char *name;
-  PyObject *g_obj, *c_obj, *s_obj, *n_obj;
+  PyObject *g_obj, *c_obj, *s_obj, *n_obj, *stream_obj = Py_None;
   int nthreads = 0;
-  if (!PyArg_ParseTuple(args, "sOOOO|i", &name, &g_obj, &c_obj, &s_obj, &n_obj, &nthreads))
+  if (!PyArg_ParseTuple(args, "sOOOO|iO", &name, &g_obj, &c_obj, &s_obj, &n_obj, &nthreads,
+                        &stream_obj))
     return NULL;
   gefen_view_keep keep = {NULL};
   PyObject *result = NULL;
   gefen_view g, c, s, cnt;
   gefen_dtype dt;
+  const DLDevice cpu = {kDLCPU, 0};
   if (get_param_grad(g_obj, NULL, &g, NULL, &keep, name, "the gradient", &dt) != 0) goto done;
-  if (gefen_view_get(c_obj, &c, &keep, name, "period candidates") != 0) goto done;
-  if (gefen_view_expect(&c, name, "period candidates", kDLInt, 64, c.numel, cpu_device) != 0)
-    goto done;
-  if (gefen_view_get(s_obj, &s, &keep, name, "period sums") != 0 ||
-      gefen_view_expect(&s, name, "period sums", kDLFloat, 64, c.numel, cpu_device) != 0)
-    goto done;
-  if (gefen_view_get(n_obj, &cnt, &keep, name, "period counts") != 0 ||
-      gefen_view_expect(&cnt, name, "period counts", kDLFloat, 64, c.numel, cpu_device) != 0)
+  if (gefen_view_get(c_obj, &c, &keep, name, "period candidates") != 0 ||
+      gefen_view_expect(&c, name, "period candidates", kDLInt, 64, c.numel, cpu) != 0 ||
+      gefen_view_get(s_obj, &s, &keep, name, "period sums") != 0 ||
+      gefen_view_expect(&s, name, "period sums", kDLFloat, 64, c.numel, g.device) != 0 ||
+      gefen_view_get(n_obj, &cnt, &keep, name, "period counts") != 0 ||
+      gefen_view_expect(&cnt, name, "period counts", kDLFloat, 64, c.numel, g.device) != 0)
     goto done;
   {
     gefen_matrix m = {g.data, dt, g.rows, g.cols};
     gefen_error err;
-    gefen_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gefen_period_stats(&m, (const int64_t *)c.data, c.numel, (double *)s.data,
-                            (double *)cnt.data, get_nthreads(nthreads), &err);
-    Py_END_ALLOW_THREADS
+    gefen_status st = GEFEN_OK;
+    if (g.device.device_type == kDLCPU) {
+      Py_BEGIN_ALLOW_THREADS
+      st = gefen_period_stats(&m, (const int64_t *)c.data, c.numel, (double *)s.data,
+                              (double *)cnt.data, get_nthreads(nthreads), &err);
+      Py_END_ALLOW_THREADS
+    } else {
+#ifdef GEFEN_WITH_CUDA
+      call_options opt = {0, NULL, NULL, g.device};
+      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
+        goto done;
+      Py_BEGIN_ALLOW_THREADS
+      WITH_CUDA_DEVICE(&opt, &err, st,
+                       st = gefen_cuda_period_stats(&m, (const int64_t *)c.data, c.numel,
+                                                    (double *)s.data, (double *)cnt.data, NULL,
+                                                    0, opt.stream, &err));
+      Py_END_ALLOW_THREADS
+#endif
+    }
     if (st != GEFEN_OK) {
       gefen_raise_status(st, name, err.msg);
       goto done;
@@ -413,29 +540,43 @@ done:
   return result;
 }
 
-/* histogram(name, grad, period, hist: int64[4096], nthreads) */
+/* histogram(name, grad, period, hist, nthreads=0, stream=None): hist int64[4096]
+ * on the gradient's device. */
 PyObject *gefen_py_histogram(PyObject *self, PyObject *args) {
   (void)self;
   const char *name;
-  PyObject *g_obj, *h_obj;
+  PyObject *g_obj, *h_obj, *stream_obj = Py_None;
   long long period;
   int nthreads = 0;
-  if (!PyArg_ParseTuple(args, "sOLO|i", &name, &g_obj, &period, &h_obj, &nthreads)) return NULL;
+  if (!PyArg_ParseTuple(args, "sOLO|iO", &name, &g_obj, &period, &h_obj, &nthreads, &stream_obj))
+    return NULL;
   gefen_view_keep keep = {NULL};
   PyObject *result = NULL;
   gefen_view g, h;
   gefen_dtype dt;
   if (get_param_grad(g_obj, NULL, &g, NULL, &keep, name, "the gradient", &dt) != 0) goto done;
   if (gefen_view_get(h_obj, &h, &keep, name, "histogram") != 0 ||
-      gefen_view_expect(&h, name, "histogram", kDLInt, 64, GEFEN_HIST_BINS, cpu_device) != 0)
+      gefen_view_expect(&h, name, "histogram", kDLInt, 64, GEFEN_HIST_BINS, g.device) != 0)
     goto done;
   {
     gefen_matrix m = {g.data, dt, g.rows, g.cols};
     gefen_error err;
-    gefen_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = gefen_histogram(&m, period, (int64_t *)h.data, get_nthreads(nthreads), &err);
-    Py_END_ALLOW_THREADS
+    gefen_status st = GEFEN_OK;
+    if (g.device.device_type == kDLCPU) {
+      Py_BEGIN_ALLOW_THREADS
+      st = gefen_histogram(&m, period, (int64_t *)h.data, get_nthreads(nthreads), &err);
+      Py_END_ALLOW_THREADS
+    } else {
+#ifdef GEFEN_WITH_CUDA
+      call_options opt = {0, NULL, NULL, g.device};
+      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
+        goto done;
+      Py_BEGIN_ALLOW_THREADS
+      WITH_CUDA_DEVICE(&opt, &err, st,
+                       st = gefen_cuda_histogram(&m, period, (int64_t *)h.data, opt.stream, &err));
+      Py_END_ALLOW_THREADS
+#endif
+    }
     if (st != GEFEN_OK) {
       gefen_raise_status(st, name, err.msg);
       goto done;
@@ -445,4 +586,93 @@ PyObject *gefen_py_histogram(PyObject *self, PyObject *args) {
 done:
   gefen_view_keep_release(&keep);
   return result;
+}
+
+/* codes_remap(codes, map, nthreads=0, stream=None): map is 256 bytes (CPU codes)
+ * or a uint8 tensor of 256 on the codes' device. */
+PyObject *gefen_py_codes_remap(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *c_obj, *map_obj, *stream_obj = Py_None;
+  int nthreads = 0;
+  if (!PyArg_ParseTuple(args, "OO|iO", &c_obj, &map_obj, &nthreads, &stream_obj)) return NULL;
+  gefen_view_keep keep = {NULL};
+  gefen_view c, mv = {0};
+  PyObject *result = NULL;
+  if (gefen_view_get(c_obj, &c, &keep, "<codes>", "the codes") != 0 ||
+      gefen_view_expect(&c, "<codes>", "the codes", kDLUInt, 8, c.numel, c.device) != 0 ||
+      check_device(c.device, "<codes>", "the codes") != 0)
+    goto done;
+  const uint8_t *map = NULL;
+  if (PyBytes_Check(map_obj)) {
+    if (PyBytes_GET_SIZE(map_obj) != GEFEN_CODEBOOK_SIZE) {
+      PyErr_SetString(PyExc_ValueError, "the code map must have 256 entries");
+      goto done;
+    }
+    map = (const uint8_t *)PyBytes_AS_STRING(map_obj);
+  } else {
+    if (gefen_view_get(map_obj, &mv, &keep, "<codes>", "the code map") != 0 ||
+        gefen_view_expect(&mv, "<codes>", "the code map", kDLUInt, 8, GEFEN_CODEBOOK_SIZE,
+                          c.device) != 0)
+      goto done;
+    map = (const uint8_t *)mv.data;
+  }
+  if (c.device.device_type == kDLCPU && !PyBytes_Check(map_obj) &&
+      mv.device.device_type != kDLCPU) {
+    PyErr_SetString(PyExc_ValueError, "the code map must be on the codes' device");
+    goto done;
+  }
+  {
+    gefen_error err;
+    gefen_status st = GEFEN_OK;
+    if (c.device.device_type == kDLCPU) {
+      Py_BEGIN_ALLOW_THREADS
+      st = gefen_codes_remap((uint8_t *)c.data, c.numel, map, get_nthreads(nthreads), &err);
+      Py_END_ALLOW_THREADS
+    } else {
+#ifdef GEFEN_WITH_CUDA
+      if (PyBytes_Check(map_obj)) {
+        PyErr_SetString(PyExc_ValueError, "CUDA codes need the code map as a device tensor");
+        goto done;
+      }
+      call_options opt = {0, NULL, NULL, c.device};
+      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
+        goto done;
+      Py_BEGIN_ALLOW_THREADS
+      WITH_CUDA_DEVICE(&opt, &err, st,
+                       st = gefen_cuda_codes_remap((uint8_t *)c.data, c.numel, map, opt.stream,
+                                                   &err));
+      Py_END_ALLOW_THREADS
+#endif
+    }
+    if (st != GEFEN_OK) {
+      gefen_raise_status(st, NULL, err.msg);
+      goto done;
+    }
+  }
+  result = Py_NewRef(Py_None);
+done:
+  gefen_view_keep_release(&keep);
+  return result;
+}
+
+/* cuda_available() -> bool: built with CUDA kernels and a device is visible. */
+PyObject *gefen_py_cuda_available(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+#ifdef GEFEN_WITH_CUDA
+  return PyBool_FromLong(gefen_cuda_device_count() > 0);
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+/* built_with_cuda() -> bool */
+PyObject *gefen_py_built_with_cuda(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+#ifdef GEFEN_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
 }
