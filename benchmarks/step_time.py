@@ -7,6 +7,9 @@ torch.optim.Muon on the 2-D matrices of a set (--optimizers muon,gefenmuon).
 Parameter sets (one transformer attention block of width d: fused qkv (3d, d), output
 projection (d, d), LayerNorm weight and bias (d,)), N = 4d^2 + 2d:
   1M: d=512 -> 1,049,600    16M: d=2048 -> 16,781,312    64M: d=4096 -> 67,117,056
+  128M: d=5632 -> 126,887,936    256M: d=8000 -> 256,016,000    (for GPUs)
+On CUDA the achieved bytes/s is also given as a fraction of the device's measured copy
+bandwidth (a 1 GiB device-to-device copy, read + write counted).
 
   python benchmarks/step_time.py
   python benchmarks/step_time.py --sizes 16M --dtypes bf16 --optimizers adamw-fused,gefen,gefen-block
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 
 import _common as C  # noqa: E402
 
-WIDTH = {"1M": 512, "16M": 2048, "64M": 4096}
+WIDTH = {"1M": 512, "16M": 2048, "64M": 4096, "128M": 5632, "256M": 8000}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MUON_LIKE = ("muon", "gefenmuon")
 # ratio column: each optimizer's time over its baseline's time for the same set
@@ -75,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default="adamw-fused,adamw-foreach,gefen",
                    help="comma list from: " + ", ".join(
                        n for n in C.OPTIMIZERS if not n.startswith(("muon+", "hybrid"))))
-    p.add_argument("--sizes", default="1M,16M,64M", help="comma list from 1M,16M,64M")
+    p.add_argument("--sizes", default="1M,16M,64M", help="comma list from " + ",".join(WIDTH))
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list from fp32,bf16,fp16")
     p.add_argument("--device", default="cpu", help="cpu or cuda (skips cleanly without CUDA)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
@@ -113,6 +116,23 @@ def build_params(size: str, dtype: torch.dtype, device: torch.device, seed: int,
         p.grad = torch.randn(shp, generator=g).to(device, dtype)
         named.append((f"block.{i}.{'weight' if len(shp) == 2 else 'ln'}", p))
     return named
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), median of 10."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times)
 
 
 def time_one(name: str, named, a, device) -> Dict:
@@ -157,10 +177,14 @@ def main(argv=None) -> int:
                               "config": cfg, "skipped": "no cuda", "results": []})
         return 0
     device = torch.device(a.device)
+    peak = copy_bandwidth(device) if device.type == "cuda" else None
+    if peak:
+        print(f"# device copy bandwidth (1 GiB, read + write): {peak / 1e9:.0f} GB/s; "
+              "'of copy' = achieved bytes/s / that")
 
     print(f"\n{'set':>4} {'dtype':>5} {'params':>11} {'optimizer':<14} {'ms/step':>9} "
           f"{'min ms':>8} {'ratio':>6} {'vs':<12} {'B/param/step':>12} {'GB/s':>7} "
-          f"{'state B/p':>9}", flush=True)
+          f"{'state B/p':>9}" + (f" {'of copy':>8}" if peak else ""), flush=True)
     results = []
     for dname in dtypes:
         dtype = DTYPES[dname]
@@ -191,16 +215,17 @@ def main(argv=None) -> int:
                 print(f"{size:>4} {dname:>5} {n:>11,} {name:<14} "
                       f"{r['median_s'] * 1e3:>9.3f} {r['min_s'] * 1e3:>8.3f} "
                       f"{(f'{ratio:.2f}' if ratio else '-'):>6} {(base or '-'):<12} "
-                      f"{bps / n:>12.2f} {gbs:>7.2f} {r['state_bytes'] / n:>9.3f}",
-                      flush=True)
+                      f"{bps / n:>12.2f} {gbs:>7.2f} {r['state_bytes'] / n:>9.3f}"
+                      + (f" {gbs * 1e9 / peak:>8.1%}" if peak else ""), flush=True)
                 results.append({"set": size, "dtype": dname, "params": n, "optimizer": name,
                                 "median_ms": r["median_s"] * 1e3, "min_ms": r["min_s"] * 1e3,
                                 "ratio": ratio, "ratio_vs": base,
                                 "bytes_per_step": bps, "bytes_per_param_step": bps / n,
-                                "GB_per_s": gbs, "state_bytes": r["state_bytes"]})
+                                "GB_per_s": gbs, "state_bytes": r["state_bytes"],
+                                "fraction_of_copy_bandwidth": gbs * 1e9 / peak if peak else None})
     C.write_json(a.json, {"benchmark": "step_time", "machine": C.machine_info(),
                           "config": cfg, "shapes": {s: shapes(s) for s in sizes},
-                          "results": results})
+                          "copy_bandwidth_bytes_per_s": peak, "results": results})
     return 0
 
 

@@ -129,8 +129,9 @@ class GefenMuonHybrid(Optimizer):
 
     ``param_groups`` is the live concatenation of the children's groups, Muon first,
     each with ``"role"`` ``"muon"`` or ``"backup"`` and a ``"gefen_hybrid"`` header; a
-    parameter whose name contains one of ``no_decay_substrings`` is placed in its role's
-    no-decay group (``weight_decay=0``). Changing a group's ``lr`` (e.g. by an LR
+    parameter with fewer than two dimensions (biases, norm gains) or whose name contains
+    one of ``no_decay_substrings`` is placed in its role's no-decay group
+    (``weight_decay=0``). Changing a group's ``lr`` (e.g. by an LR
     scheduler) changes the child's.
 
     Args:
@@ -146,7 +147,7 @@ class GefenMuonHybrid(Optimizer):
         betas, eps: the backup's Adam coefficients.
         momentum, nesterov, ns_coefficients, ns_steps, adjust_lr_fn, ns_schedule,
         normuon, normuon_beta2, normuon_eps, sharded_mode: GefenMuon's options (hybrid
-            defaults ``ns_schedule="tuned3"``, ``normuon=True``,
+            defaults ``ns_schedule="standard"``, ``normuon=True``,
             ``adjust_lr_fn="match_rms_adamw"``, so one ``lr`` suits both children).
         muon_eps (float): GefenMuon's ``eps`` (Newton–Schulz normalisation floor).
         codebook_refresh_every (int): passed to the quantised children.
@@ -173,7 +174,7 @@ class GefenMuonHybrid(Optimizer):
         muon_eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = "match_rms_adamw",
-        ns_schedule="tuned3",
+        ns_schedule="standard",
         normuon: bool = True,
         normuon_beta2: float = 0.95,
         normuon_eps: float = 1e-8,
@@ -528,7 +529,8 @@ def _groups(named, role: str, weight_decay, no_decay: tuple[str, ...]) -> list[d
     decay, plain = [], []
     for (name, p), keep_name in named:
         entry = (name, p) if keep_name else p
-        (plain if any(s in name.lower() for s in no_decay) else decay).append(entry)
+        no_wd = p.dim() < 2 or any(s in name.lower() for s in no_decay)
+        (plain if no_wd else decay).append(entry)
     groups = []
     for entries, wd in ((decay, weight_decay), (plain, 0.0)):
         if entries:

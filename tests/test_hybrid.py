@@ -201,7 +201,7 @@ def test_children_and_options(backup):
     else:
         assert type(opt.backup) is torch.optim.AdamW
     mg = opt.muon.param_groups[0]
-    assert (mg["ns_schedule"], mg["normuon"], mg["adjust_lr_fn"]) == ("tuned3", True, "match_rms_adamw")
+    assert (mg["ns_schedule"], mg["normuon"], mg["adjust_lr_fn"]) == ("standard", True, "match_rms_adamw")
     assert mg["lr"] == 0.05 and mg["weight_decay"] == 0.1
     decayed = [g for g in opt.backup.param_groups if g["weight_decay"] != 0.0]
     assert decayed and all(g["weight_decay"] == 0.01 and g["lr"] == LR for g in decayed)
@@ -224,7 +224,7 @@ def test_step_is_the_children_stepping(backup):
             for g in child.param_groups
         ]
         if child is hybrid.muon:
-            children.append(gefen.GefenMuon(groups, lr=LR, ns_schedule="tuned3", normuon=True,
+            children.append(gefen.GefenMuon(groups, lr=LR, ns_schedule="standard", normuon=True,
                                             adjust_lr_fn="match_rms_adamw"))
         elif backup == "gefen":
             children.append(gefen.Gefen(groups, lr=LR, factored=False))
@@ -518,3 +518,16 @@ def test_dcp_flattened_load_with_parameters_that_never_had_state():
         i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if opt.state.get(p)
     }
     _train(model, opt, gen, 1)
+
+
+def test_one_dimensional_parameters_get_no_weight_decay():
+    """Biases and norm gains are never decayed, whatever their names."""
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8), "ln1": torch.nn.LayerNorm(8),
+                                 "head": torch.nn.Linear(8, 4, bias=False)})
+    opt = gefen.GefenMuonHybrid(model, lr=1e-3, weight_decay=0.1)
+    wd = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            wd[p] = group["weight_decay"]
+    assert wd[model["ln1"].weight] == 0.0 and wd[model["proj"].bias] == 0.0
+    assert wd[model["proj"].weight] == 0.1 and wd[model["head"].weight] == 0.1
