@@ -10,7 +10,6 @@ import dataclasses
 import math
 import os
 import platform
-import sys
 import sysconfig
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -19,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gefen
+
 
 def add_common_args(parser) -> None:
     """Arguments every script shares."""

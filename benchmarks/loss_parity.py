@@ -18,13 +18,12 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 
 # Default LR grids (before --lr-scale), centred on measurements of this default config
 # (betas (0.9, 0.999), clip 1.0): AdamW's best lr lies between 2e-3 and 4e-3 (2e-3 won at

@@ -25,9 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 
 # B/param targets (issues): Gefen <= 1.05 on the whole model, GefenMuon ~1 on the 2-D
 # weights it takes, the Hybrid with a Gefen backup <= 1.1 on the whole model.

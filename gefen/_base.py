@@ -312,7 +312,7 @@ class _QuantizedOptimizer(Optimizer):
         )
         where = {}
         for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
-            for i, (pid, p) in enumerate(zip(sg["params"], g["params"])):
+            for i, pid in enumerate(sg["params"]):
                 where[pid] = (gi, i, g, sg)
         new_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         codebook = None

@@ -11,7 +11,7 @@ from ._base import StepPlan, _QuantizedOptimizer, block_state
 from ._device import group_by_device, stream_of
 from ._ext import _C
 from ._layout import as_float, rows_cols
-from ._state import StateError, as_int, check_keys, check_tensor, COMMON_KEYS
+from ._state import COMMON_KEYS, StateError, as_int, check_keys, check_tensor
 
 __all__ = ["Gefen"]
 

@@ -21,7 +21,7 @@ import torch
 from ._base import StepPlan, _QuantizedOptimizer, block_state
 from ._device import group_by_device, stream_of
 from ._ext import _C
-from ._layout import Slot, as_float, param_name, rows_cols
+from ._layout import Slot, as_float, param_name
 from ._state import COMMON_KEYS, check_keys, check_tensor
 
 __all__ = [

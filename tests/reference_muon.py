@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
-
 import reference as ref
+import torch
 
 __all__ = ["NS_SCHEDULES", "STANDARD", "ns_reference", "lr_ratio_reference", "RefGefenMuon"]
 

@@ -248,7 +248,7 @@ def test_non_contiguous_params_and_grads_are_updated_correctly(dtype):
     assert not p_t.is_contiguous() and torch.equal(p_t.detach(), p_c.detach())
     opt_t = gefen.Gefen([p_t], lr=1e-2)
     opt_c = gefen.Gefen([p_c], lr=1e-2)
-    for i in range(3):
+    for _ in range(3):
         g = torch.randn(10, 6, generator=gen).to(dtype)
         p_t.grad = g.t()  # non-contiguous gradient too
         p_c.grad = g.t().contiguous()

@@ -6,12 +6,11 @@ order and factors the step size as sqrt(v_row) * sqrt(v_col / mu / bc2)).
 """
 
 import pytest
+import reference as ref
 import torch
 
 import gefen
 from gefen import _C
-
-import reference as ref
 
 # Tolerances: moments are sums of squares in another order (a few ulp); parameters differ
 # by the resulting ~1e-7 relative change of the step size times lr.

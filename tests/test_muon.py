@@ -10,13 +10,12 @@ import inspect
 import math
 
 import pytest
+import reference_muon as rm
 import torch
 
 import gefen
 from gefen import _C
 from gefen.muon import NS_SCHEDULES, lr_ratio, newton_schulz
-
-import reference_muon as rm
 
 UPDATE_RTOL = 1e-2
 LR = 0.02
@@ -170,7 +169,7 @@ def test_unquantized_oracle_is_torch_muon(shape, nesterov, adjust_lr_fn):
     theirs = torch.optim.Muon([a], **kw)
     oracle = rm.RefGefenMuon([b], quantize=False, **kw)
     ratio = rm.lr_ratio_reference(adjust_lr_fn, *shape)
-    for step in range(3):
+    for _ in range(3):
         g = torch.randn(shape, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()
         before = a.detach().clone()

@@ -451,7 +451,6 @@ def test_stochastic_rounding_frequency():
     q = C[ref.stochastic(v, C, 1, idx).long()]
     assert abs((q - v).double().mean().item()) < 2e-4
     # only the two neighbours are ever chosen
-    l = ref.nearest(v, C).long()
     inner = v < C[254]  # there the neighbours are v rounded down / up to the 1/128 grid
     down = torch.floor(v[inner].double() * 128) / 128
     up = torch.ceil(v[inner].double() * 128) / 128
