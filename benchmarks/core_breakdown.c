@@ -1,6 +1,6 @@
 /* Where the time of a Gefen step goes on this CPU: each block primitive of the C core
  * timed alone (ns per element), in cache (a few blocks) and out of cache (64M elements),
- * for the AVX-512 and the portable versions.
+ * for the AVX-512, AVX2 and portable versions (the SIMD ones where this CPU has them).
  *   bash benchmarks/core_breakdown.sh */
 #include <math.h>
 #include <stdio.h>
@@ -80,10 +80,11 @@ static void run(const char *label, const gefen_block_ops *ops, int64_t n, int64_
 
 int main(void) {
   const int64_t P = 2048;
-  const gefen_block_ops *simd = gefen_block_ops_avx512();
+  const gefen_block_ops *avx512 = gefen_block_ops_avx512(), *avx2 = gefen_block_ops_avx2();
   for (int pass = 0; pass < 2; pass++) {
     const int64_t n = pass == 0 ? 8 * P : (int64_t)1 << 26;
-    if (simd) run("avx512", simd, n, P);
+    if (avx512) run("avx512", avx512, n, P);
+    if (avx2) run("avx2", avx2, n, P);
     run("portable", &gefen_block_ops_scalar, n, P);
   }
   return 0;

@@ -2,11 +2,14 @@
  * masked tails. The fp32 operations and their order match block_scalar.c
  * exactly (no FMA: the build uses -ffp-contract=off and intrinsics are
  * explicit) and sums use the canonical lane order of block_ops.h, so every
- * output agrees bit for bit with the scalar path.
+ * output agrees bit for bit with the scalar path. The choice between the
+ * versions (gefen_block_ops_for) is in block_scalar.c.
  *
  * The nearest-code search is the lookup table of quantizer.c: one byte
  * gather for the bucket's candidate k, two float gathers for value[k] and
- * value[k + 1], and the same |u - v| comparison as the reference rule. */
+ * value[k + 1], and the same |u - v| comparison as the reference rule; for
+ * codebooks with repeated entries, the code and value at 2 * k + (u > value[k])
+ * of the quantiser's selection tables. */
 #include "block_ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -48,10 +51,18 @@ TARGET static inline void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, 
     case GEFEN_BF16:
       _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)p + i, k, to_bf16_bits(v));
       break;
-    case GEFEN_F16:
+    case GEFEN_F16: {
+      /* a NaN becomes sign | 0x7e00 as in gefen_f32_to_f16 (the conversion
+       * instruction would keep payload bits) */
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
+          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
+          _mm512_set1_epi32(0x7fc00000)));
+      v = _mm512_mask_mov_ps(v, nan, canon);
       _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       break;
+    }
     default:
       _mm512_mask_storeu_ps((float *)p + i, k, v);
       break;
@@ -158,9 +169,14 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
     kk = _mm512_mask_add_epi32(kk, up, kk, ione);
     __m512 val = _mm512_mask_blend_ps(up, v0, v1);
     __m512i code = kk;
-    if (!unique) { /* duplicated entries: first index at or below, last above */
-      const __mmask16 le = _mm512_cmp_ps_mask(u, val, _CMP_LE_OQ);
-      code = _mm512_mask_blend_epi32(le, gather_u8(kk, t->last), gather_u8(kk, t->first));
+    if (!unique) { /* repeated entries: first code at or below value[k], last above */
+      const __mmask16 above = _mm512_cmp_ps_mask(u, val, _CMP_GT_OQ);
+      const __m512i k2 = _mm512_add_epi32(kk, kk);
+      const __m512i sel = _mm512_mask_add_epi32(k2, above, k2, ione);
+      code = gather_u8(sel, q->sel_code);
+      /* codebook[code], which differs from value[k] in sign when a run of
+       * equal entries mixes -0 and +0 */
+      val = _mm512_i32gather_ps(sel, q->sel_value, 4);
     }
     code = _mm512_mask_mov_epi32(code, nan, code_nan);
     val = _mm512_mask_mov_ps(val, nan, top);
@@ -259,21 +275,11 @@ static int cpu_has_avx512(void) {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
 }
 
-const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
-  if ((!q || q->table.exact_lut) && cpu_has_avx512()) return &ops_avx512;
-  return &gefen_block_ops_scalar;
-}
-
 const gefen_block_ops *gefen_block_ops_avx512(void) {
   return cpu_has_avx512() ? &ops_avx512 : NULL;
 }
 
-#else /* not x86-64 with GCC/Clang: portable primitives only */
-
-const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
-  (void)q;
-  return &gefen_block_ops_scalar;
-}
+#else /* not x86-64 with GCC/Clang */
 
 const gefen_block_ops *gefen_block_ops_avx512(void) { return NULL; }
 

@@ -1,7 +1,7 @@
 /* The per-block primitives of the element kernels, in a portable C version
- * (block_scalar.c) and an AVX-512 version (block_avx512.c) chosen at run time.
- * Both compute the same operations in the same order, so they give the same
- * results bit for bit.
+ * (block_scalar.c), an AVX2 version (block_avx2.c) and an AVX-512 version
+ * (block_avx512.c) chosen at run time. All compute the same operations in the
+ * same order, so they give the same results bit for bit.
  *
  * A block is `len` consecutive elements starting at element `base` of a
  * parameter's local shard. `m` is a per-thread scratch of `len` floats. */
@@ -20,6 +20,59 @@ static inline double gefen_sum_lanes(const double *lanes) {
   double total = 0.0;
   for (int l = 0; l < GEFEN_SUM_LANES; l++) total += lanes[l];
   return total;
+}
+
+/* Branch-free twins of the dtype conversions of core_internal.h, equal to them
+ * bit for bit (tests/c/test_kernels.c checks), written as selects so that the
+ * compiler can vectorise loops over them; the originals branch (and loop, for
+ * float16 subnormals). */
+static inline uint16_t gefen_f32_to_bf16_sel(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint32_t quiet = (u >> 16) | 0x0040u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* NaN may wrap: unused */
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+static inline float gefen_f16_to_f32_sel(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu, exp = em >> 10;
+  /* zero and subnormals: em * 2^-24, exact in fp32 (a normal number) */
+  const float sub = (float)(int32_t)em * 0x1p-24f;
+  uint32_t sub_bits;
+  memcpy(&sub_bits, &sub, sizeof sub_bits);
+  const uint32_t normal = (em << 13) + ((uint32_t)(127 - 15) << 23);
+  /* inf, or NaN made quiet */
+  const uint32_t special = (em << 13) | 0x7f800000u | ((uint32_t)((em & 0x3ffu) != 0) << 22);
+  /* all-ones masks rather than ?: chains, which GCC leaves as branches */
+  const uint32_t is_sub = 0u - (uint32_t)(exp == 0), is_special = 0u - (uint32_t)(exp == 31);
+  const uint32_t u = sign | (sub_bits & is_sub) | (special & is_special) |
+                     (normal & ~(is_sub | is_special));
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t gefen_f32_to_f16_sel(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  float fa;
+  memcpy(&fa, &a, sizeof fa);
+  /* below 2^-14 (float16 subnormals): fp32's ulp at 0.5 is 2^-24, the float16
+   * subnormal step, so fa + 0.5 is rounded to nearest even by the FPU itself */
+  const float shifted = fa + 0.5f;
+  uint32_t sub;
+  memcpy(&sub, &shifted, sizeof sub);
+  sub -= 0x3f000000u;
+  /* normal: rebias the exponent 127 -> 15 and round the 13 dropped bits */
+  const uint32_t normal = (a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+  /* NaN (0x7e00) or overflow to inf (0x7c00) */
+  const uint32_t big = 0x7c00u | ((uint32_t)(a > 0x7f800000u) << 9);
+  const uint32_t is_big = 0u - (uint32_t)(a >= 0x477ff000u);
+  const uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u); /* never with is_big */
+  const uint32_t r = (big & is_big) | (sub & is_sub) | (normal & ~(is_big | is_sub));
+  return (uint16_t)(sign | r);
 }
 
 typedef struct {
@@ -57,11 +110,15 @@ typedef struct {
 /* The portable primitives (every dtype, every codebook). */
 extern const gefen_block_ops gefen_block_ops_scalar;
 
-/* The fastest primitives for this CPU and quantiser (NULL: any quantiser). */
+/* The fastest primitives for this CPU and quantiser (NULL: any quantiser):
+ * AVX-512, then AVX2, then portable; the SIMD versions need an exact table. */
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q);
 
 /* The AVX-512 primitives, or NULL when this CPU (or build) has none. */
 const gefen_block_ops *gefen_block_ops_avx512(void);
+
+/* The AVX2 (+F16C) primitives, or NULL when this CPU (or build) has none. */
+const gefen_block_ops *gefen_block_ops_avx2(void);
 
 /* Stochastic requantisation (ALGORITHM.md §6): like requantize, with the
  * element's global flat index global_base + j. Portable only. */

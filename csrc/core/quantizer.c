@@ -81,7 +81,11 @@ gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out
     memcpy(&lo, &q->table.value[k], sizeof lo);
     memcpy(&hi, &q->table.value[k + 1], sizeof hi);
     q->pair[k] = (uint64_t)lo | ((uint64_t)hi << 32);
+    q->sel_code[2 * k] = q->table.first[k];
+    q->sel_code[2 * k + 1] = q->table.last[k];
   }
+  for (int i = 0; i < 2 * GEFEN_CODEBOOK_SIZE; i++)
+    q->sel_value[i] = q->table.codebook[q->sel_code[i]];
   *out = q;
   return GEFEN_OK;
 }
@@ -93,7 +97,8 @@ const gefen_quant_table *gefen_quantizer_table(const gefen_quantizer *q) {
 }
 
 uint8_t gefen_quantize_nearest(const gefen_quantizer *q, float u) {
-  return gefen_quant_nearest(&q->table, u);
+  if (u >= -1.0f && u <= 1.0f && q->table.exact_lut) return q->sel_code[gefen_quant_select(q, u)];
+  return gefen_quantize_reference(q->table.codebook, u);
 }
 
 float gefen_sr_uniform(uint64_t seed, int64_t global_index) {
@@ -133,7 +138,7 @@ gefen_status gefen_quantize(const gefen_quantizer *q, const float *u, int64_t n,
   if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
   if (n < 0) return gefen_fail(err, GEFEN_EVALUE, "negative length %lld", (long long)n);
   if (n > 0 && (!u || !codes)) return gefen_fail(err, GEFEN_EVALUE, "NULL buffer");
-  for (int64_t i = 0; i < n; i++) codes[i] = gefen_quant_nearest(&q->table, u[i]);
+  for (int64_t i = 0; i < n; i++) codes[i] = gefen_quantize_nearest(q, u[i]);
   return GEFEN_OK;
 }
 

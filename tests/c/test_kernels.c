@@ -2,7 +2,8 @@
  *
  * - the lookup-table quantiser against a brute-force statement of the
  *   reference rule, on learned, padded and tightly packed codebooks;
- * - the AVX-512 block primitives against the portable ones, bit for bit;
+ * - every SIMD version of the block primitives (AVX-512, AVX2) against the
+ *   portable one, bit for bit, and the portable one against the quantiser;
  * - dtype conversions against exhaustive / double-precision references;
  * - period candidates and choice, validation errors and their item index. */
 #include <float.h>
@@ -40,6 +41,20 @@ static float uniform(float lo, float hi) {
 static float normal(void) {
   float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 1.0f);
   return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
+}
+
+/* The SIMD versions of the block primitives this CPU has, with their names. */
+static int simd_tables(const gefen_block_ops **ops, const char **names) {
+  int n = 0;
+  if (gefen_block_ops_avx512()) {
+    ops[n] = gefen_block_ops_avx512();
+    names[n++] = "avx512";
+  }
+  if (gefen_block_ops_avx2()) {
+    ops[n] = gefen_block_ops_avx2();
+    names[n++] = "avx2";
+  }
+  return n;
 }
 
 /* The rule of ALGORITHM.md §3 by a linear scan. */
@@ -115,23 +130,43 @@ static void test_quantizer_on(const float *c, int expect_exact) {
   CHECK(gefen_quantize_nearest(q, INFINITY) == brute_nearest(c, INFINITY), "+inf");
   CHECK(gefen_quantize_nearest(q, -INFINITY) == 0, "-inf");
 
-  /* the SIMD requantisation gives the same codes and values as the scalar */
-  const gefen_block_ops *simd = gefen_block_ops_avx512();
-  if (simd && expect_exact) {
-    static float m1[CAP], m2[CAP];
-    static uint8_t c1[CAP], c2[CAP];
+  /* the portable requantisation is the quantiser, element by element */
+  static float m1[CAP], m2[CAP];
+  static uint8_t c1[CAP], c2[CAP];
+  for (int i = 0; i < n; i++) m1[i] = u[i] * 3.5f;
+  m1[n / 2] = NAN;
+  gefen_block_ops_scalar.requantize(q, m1, 3.5f, n, c1);
+  for (int i = 0; i < n; i++) {
+    const float ui = i == n / 2 ? NAN : (u[i] * 3.5f) / 3.5f;
+    const uint8_t want = gefen_quantize_nearest(q, ui);
+    const float mq = c[want] * 3.5f;
+    CHECK(c1[i] == want && memcmp(&m1[i], &mq, sizeof mq) == 0,
+          "portable requantize of %.9g: code %d, quantiser %d", ui, c1[i], want);
+  }
+
+  /* every SIMD requantisation gives the same codes and values as the portable */
+  const gefen_block_ops *simd[2];
+  const char *names[2];
+  const int ns = expect_exact ? simd_tables(simd, names) : 0;
+  for (int s = 0; s < ns; s++) {
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
     m1[n / 2] = m2[n / 2] = NAN;
     for (int len = 1; len <= 40; len++) {
       gefen_block_ops_scalar.requantize(q, m1, 3.5f, len, c1);
-      simd->requantize(q, m2, 3.5f, len, c2);
-      CHECK(memcmp(c1, c2, (size_t)len) == 0, "requantize codes differ (len %d)", len);
+      simd[s]->requantize(q, m2, 3.5f, len, c2);
+      CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: requantize codes differ (len %d)", names[s],
+            len);
+      CHECK(memcmp(m1, m2, sizeof(float) * (size_t)len) == 0,
+            "%s: requantize values differ (len %d)", names[s], len);
       for (int i = 0; i < len; i++) m1[i] = m2[i] = u[i] * 3.5f;
     }
+    for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
+    for (int i = 7; i < n; i += 1001) m1[i] = m2[i] = NAN; /* a NaN in some groups */
     gefen_block_ops_scalar.requantize(q, m1, 3.5f, n, c1);
-    simd->requantize(q, m2, 3.5f, n, c2);
-    CHECK(memcmp(c1, c2, (size_t)n) == 0, "requantize codes differ");
-    CHECK(memcmp(m1, m2, sizeof(float) * (size_t)n) == 0, "requantize values differ");
+    simd[s]->requantize(q, m2, 3.5f, n, c2);
+    CHECK(memcmp(c1, c2, (size_t)n) == 0, "%s: requantize codes differ", names[s]);
+    CHECK(memcmp(m1, m2, sizeof(float) * (size_t)n) == 0, "%s: requantize values differ",
+          names[s]);
   }
   gefen_quantizer_destroy(q);
 }
@@ -143,6 +178,12 @@ static void test_quantizer(void) {
     test_quantizer_on(c, 1);
   }
   learned_codebook(c, 40); /* fewer than 256 active bins: padded, repeated entries */
+  test_quantizer_on(c, 1);
+  /* repeated entries -0, +0: the code above zero is +0's, and m = +0 * mx */
+  for (int i = 0; i < 127; i++) c[i] = -1.0f + (float)i / 127.0f;
+  c[127] = -0.0f;
+  c[128] = 0.0f;
+  for (int i = 129; i < 256; i++) c[i] = (float)(i - 128) / 127.0f;
   test_quantizer_on(c, 1);
   /* a valid codebook packed tighter than one bucket: binary-search fallback */
   for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
@@ -182,12 +223,28 @@ static void fill_grad(void *g, gefen_dtype dt, int64_t n, float scale) {
   }
 }
 
-static void test_simd_blocks(void) {
-  const gefen_block_ops *simd = gefen_block_ops_avx512();
-  if (!simd) {
-    printf("  (no AVX-512 on this CPU: SIMD comparison skipped)\n");
-    return;
+/* Values that take the rare paths of the conversions: NaN with a payload
+ * (signalling and quiet), infinities, zeros, subnormals, the largest finite. */
+static void put_specials(void *p, gefen_dtype dt, int64_t len) {
+  static const uint32_t f32[] = {0x7fa12345u, 0xffc00001u, 0x7f800000u, 0xff800000u,
+                                 0x80000000u, 0x00000001u, 0x807fffffu, 0x7f7fffffu};
+  static const uint16_t bf16[] = {0x7fa1u, 0xffc1u, 0x7f80u, 0xff80u,
+                                  0x8000u, 0x0001u, 0x807fu, 0x7f7fu};
+  static const uint16_t f16[] = {0x7d23u, 0xfe01u, 0x7c00u, 0xfc00u,
+                                 0x8000u, 0x0001u, 0x83ffu, 0x7bffu};
+  for (int s = 0; s < 8 && 3 * s < len; s++) {
+    const int64_t i = (int64_t)(rng() % (uint64_t)len);
+    if (dt == GEFEN_F32)
+      memcpy((float *)p + i, &f32[s], 4);
+    else
+      ((uint16_t *)p)[i] = dt == GEFEN_BF16 ? bf16[s] : f16[s];
   }
+}
+
+/* One SIMD version against the portable one. A pass with special values puts
+ * them in the parameters and one NaN in the gradient (one NaN per sum, so the
+ * NaN that comes out does not depend on the order of operands). */
+static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
   float c[256];
   learned_codebook(c, 3500);
   gefen_quantizer *q = NULL;
@@ -199,7 +256,7 @@ static void test_simd_blocks(void) {
   static float m1[MAXL], m2[MAXL], scol[MAXL];
   static uint8_t codes[MAXL], c1[MAXL], c2[MAXL];
   static uint16_t g16[MAXL], p16a[MAXL], p16b[MAXL], o16a[MAXL], o16b[MAXL];
-  static float g32[MAXL], p32a[MAXL], p32b[MAXL];
+  static float g32[MAXL], p32a[MAXL], p32b[MAXL], o32a[MAXL], o32b[MAXL];
   static double cs1[MAXL], cs2[MAXL];
   for (int d = 0; d < 3; d++) {
     const gefen_dtype dt = dts[d];
@@ -207,10 +264,19 @@ static void test_simd_blocks(void) {
     void *pa = dt == GEFEN_F32 ? (void *)p32a : (void *)p16a;
     void *pb = dt == GEFEN_F32 ? (void *)p32b : (void *)p16b;
     const size_t esz = dt == GEFEN_F32 ? 4 : 2;
-    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
-      const int64_t len = lens[li];
+    for (size_t li = 0; li < 2 * (sizeof lens / sizeof lens[0]); li++) {
+      const int64_t len = lens[li % (sizeof lens / sizeof lens[0])];
+      const int special = li >= sizeof lens / sizeof lens[0];
       fill_grad(g, dt, len, 0.01f);
       fill_grad(pa, dt, len, 1.0f);
+      if (special) {
+        put_specials(pa, dt, len);
+        const int64_t i = (int64_t)(rng() % (uint64_t)len);
+        if (dt == GEFEN_F32)
+          g32[i] = NAN;
+        else
+          g16[i] = dt == GEFEN_BF16 ? 0x7fc0u : 0x7e00u;
+      }
       memcpy(pb, pa, esz * (size_t)len);
       for (int64_t j = 0; j < len; j++) {
         codes[j] = (uint8_t)(rng() & 0xff);
@@ -220,41 +286,60 @@ static void test_simd_blocks(void) {
       float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f,
                                                        len, m1, &sq1);
       float mx2 = simd->adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
-      CHECK(mx1 == mx2, "adam_momentum max differs (dt %d len %lld)", dt, (long long)len);
-      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "adam_momentum m differs (dt %d len %lld)", dt,
+      CHECK(mx1 == mx2, "%s: adam_momentum max differs (dt %d len %lld)", name, dt,
             (long long)len);
-      CHECK(sq1 == sq2, "sum of squares %.17g vs %.17g", sq1, sq2);
+      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "%s: adam_momentum m differs (dt %d len %lld)",
+            name, dt, (long long)len);
+      CHECK(memcmp(&sq1, &sq2, sizeof sq1) == 0, "%s: sum of squares %.17g vs %.17g", name, sq1,
+            sq2);
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
-      CHECK(memcmp(c1, c2, (size_t)len) == 0, "codes differ (dt %d len %lld)", dt, (long long)len);
-      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "dequantised values differ");
+      CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: codes differ (dt %d len %lld)", name, dt,
+            (long long)len);
+      CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "%s: dequantised values differ", name);
       gefen_block_ops_scalar.apply_block(pa, dt, 0, m1, len, 0.7f, 0.999f, 1e-3f);
       simd->apply_block(pb, dt, 0, m2, len, 0.7f, 0.999f, 1e-3f);
-      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0, "apply_block differs (dt %d len %lld)", dt,
-            (long long)len);
+      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0, "%s: apply_block differs (dt %d len %lld)",
+            name, dt, (long long)len);
       gefen_block_ops_scalar.apply_factored(pa, dt, 0, m1, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f,
                                             1e-3f);
       simd->apply_factored(pb, dt, 0, m2, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f, 1e-3f);
-      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0, "apply_factored differs (dt %d len %lld)",
-            dt, (long long)len);
+      CHECK(memcmp(pa, pb, esz * (size_t)len) == 0,
+            "%s: apply_factored differs (dt %d len %lld)", name, dt, (long long)len);
       for (int64_t j = 0; j < len; j++) cs1[j] = cs2[j] = 0.5;
       double r1 = gefen_block_ops_scalar.row_stats(g, dt, 0, len, cs1);
       double r2 = simd->row_stats(g, dt, 0, len, cs2);
-      CHECK(r1 == r2, "row sums %.17g vs %.17g", r1, r2);
-      CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "column sums differ");
+      CHECK(memcmp(&r1, &r2, sizeof r1) == 0, "%s: row sums %.17g vs %.17g", name, r1, r2);
+      CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "%s: column sums differ", name);
       /* GefenMuon momentum and its Newton-Schulz input */
       mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m1);
       mx2 = simd->muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m2);
-      CHECK(mx1 == mx2 && memcmp(m1, m2, 4 * (size_t)len) == 0, "muon_momentum differs");
+      CHECK(mx1 == mx2 && memcmp(m1, m2, 4 * (size_t)len) == 0,
+            "%s: muon_momentum differs (dt %d len %lld)", name, dt, (long long)len);
       for (int nesterov = 0; nesterov < 2; nesterov++) {
         gefen_block_ops_scalar.muon_output(o16a, GEFEN_BF16, g, dt, 0, m1, len, 0.95f, 0.05f,
                                            nesterov);
         simd->muon_output(o16b, GEFEN_BF16, g, dt, 0, m2, len, 0.95f, 0.05f, nesterov);
-        CHECK(memcmp(o16a, o16b, 2 * (size_t)len) == 0, "muon_output bf16 differs");
+        CHECK(memcmp(o16a, o16b, 2 * (size_t)len) == 0, "%s: muon_output bf16 differs", name);
+        gefen_block_ops_scalar.muon_output(o32a, GEFEN_F32, g, dt, 0, m1, len, 0.95f, 0.05f,
+                                           nesterov);
+        simd->muon_output(o32b, GEFEN_F32, g, dt, 0, m2, len, 0.95f, 0.05f, nesterov);
+        CHECK(memcmp(o32a, o32b, 4 * (size_t)len) == 0, "%s: muon_output f32 differs", name);
       }
     }
   }
   gefen_quantizer_destroy(q);
+}
+
+static void test_simd_blocks(void) {
+  const gefen_block_ops *simd[2];
+  const char *names[2];
+  const int n = simd_tables(simd, names);
+  if (n == 0) printf("  (no SIMD primitives on this CPU: comparison skipped)\n");
+  for (int s = 0; s < n; s++) {
+    printf("  %s\n", names[s]);
+    test_simd_blocks_on(simd[s], names[s]);
+  }
 }
 
 /* ------------------------------------------------------------ conversions */
@@ -295,6 +380,31 @@ static void test_conversions(void) {
         CHECK(eh <= e_lo && eh <= e_hi, "f16 rounding of %a", f);
       }
     }
+  }
+  /* the branch-free twins of block_ops.h: float16 decoding on every value,
+   * encoding on random bits and on every float16 value, tie and neighbour */
+  for (uint32_t h = 0; h < 65536; h++) {
+    const float a = gefen_f16_to_f32((uint16_t)h), b = gefen_f16_to_f32_sel((uint16_t)h);
+    CHECK(memcmp(&a, &b, 4) == 0, "f16 decode twin %04x", h);
+    uint32_t bits;
+    memcpy(&bits, &a, 4);
+    for (int d = -2; d <= 2; d++) {
+      const uint32_t x[3] = {bits + (uint32_t)d, bits + 0x1000u + (uint32_t)d,
+                             (((uint32_t)h << 16) | 0x8000u) + (uint32_t)d};
+      for (int t = 0; t < 3; t++) {
+        float f;
+        memcpy(&f, &x[t], 4);
+        CHECK(gefen_f32_to_f16(f) == gefen_f32_to_f16_sel(f), "f16 encode twin %08x", x[t]);
+        CHECK(gefen_f32_to_bf16(f) == gefen_f32_to_bf16_sel(f), "bf16 encode twin %08x", x[t]);
+      }
+    }
+  }
+  for (int i = 0; i < 200000; i++) {
+    const uint32_t bits = (uint32_t)rng();
+    float f;
+    memcpy(&f, &bits, 4);
+    CHECK(gefen_f32_to_f16(f) == gefen_f32_to_f16_sel(f), "f16 encode twin %08x", bits);
+    CHECK(gefen_f32_to_bf16(f) == gefen_f32_to_bf16_sel(f), "bf16 encode twin %08x", bits);
   }
   CHECK(gefen_f32_to_f16(70000.0f) == 0x7c00, "f16 overflow to inf");
   CHECK(gefen_f32_to_bf16(-0.0f) == 0x8000, "bf16 negative zero");
