@@ -24,14 +24,8 @@ typedef struct {
 
 static gefen_status validate_item(const gefen_adam_item *it, int64_t i,
                                   gefen_error *err) {
-  if (gefen_dtype_size(it->dtype) == 0)
-    return gefen_fail_item(err, GEFEN_ETYPE, i, "unknown dtype %d", (int)it->dtype);
-  if (it->rows < 0 || it->cols < 0)
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "negative shape (%lld, %lld)", (long long)it->rows, (long long)it->cols);
-  if (it->cols > 0 && it->rows > INT64_MAX / it->cols)
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "shape overflows int64");
-  if (it->period < 1 || (it->cols > 0 && it->cols % it->period))
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "period %lld does not divide %lld", (long long)it->period, (long long)it->cols);
+  gefen_status st = gefen_check_layout(it->dtype, it->rows, it->cols, it->period, i, err);
+  if (st != GEFEN_OK) return st;
   if (it->row_offset < 0 || it->global_rows < it->row_offset + it->rows)
     return gefen_fail_item(err, GEFEN_EVALUE, i, "rows [%lld, %lld) lie outside the %lld global rows",
                       (long long)it->row_offset,

@@ -58,3 +58,18 @@ size_t gefen_dtype_size(gefen_dtype dtype) {
   }
   return 0;
 }
+
+gefen_status gefen_check_layout(gefen_dtype dtype, int64_t rows, int64_t cols, int64_t period,
+                                int64_t item, gefen_error *err) {
+  if (gefen_dtype_size(dtype) == 0)
+    return gefen_fail_item(err, GEFEN_ETYPE, item, "unknown dtype %d", (int)dtype);
+  if (rows < 0 || cols < 0)
+    return gefen_fail_item(err, GEFEN_EVALUE, item, "negative shape (%lld, %lld)",
+                           (long long)rows, (long long)cols);
+  if (cols > 0 && rows > INT64_MAX / cols)
+    return gefen_fail_item(err, GEFEN_EVALUE, item, "shape overflows int64");
+  if (period < 1 || (cols > 0 && cols % period))
+    return gefen_fail_item(err, GEFEN_EVALUE, item, "period %lld does not divide %lld",
+                           (long long)period, (long long)cols);
+  return GEFEN_OK;
+}

@@ -38,6 +38,11 @@ static inline void gefen_clear(gefen_error *err) {
   }
 }
 
+/* The checks every element kernel makes on an item's layout: a known dtype,
+ * a non-negative shape whose size fits int64, a period that divides cols. */
+gefen_status gefen_check_layout(gefen_dtype dtype, int64_t rows, int64_t cols, int64_t period,
+                                int64_t item, gefen_error *err);
+
 /* The number of threads to use for a call: nthreads > 0 as given, else the
  * OpenMP default (1 without OpenMP). */
 int gefen_threads(int nthreads);

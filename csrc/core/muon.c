@@ -10,16 +10,10 @@
 
 static gefen_status validate_item(const gefen_muon_item *it, int64_t i,
                                   gefen_error *err) {
-  if (gefen_dtype_size(it->dtype) == 0)
-    return gefen_fail_item(err, GEFEN_ETYPE, i, "unknown dtype %d", (int)it->dtype);
+  gefen_status st = gefen_check_layout(it->dtype, it->rows, it->cols, it->period, i, err);
+  if (st != GEFEN_OK) return st;
   if (it->out_dtype != GEFEN_F32 && it->out_dtype != GEFEN_BF16)
     return gefen_fail_item(err, GEFEN_ETYPE, i, "output must be float32 or bfloat16");
-  if (it->rows < 0 || it->cols < 0)
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "negative shape (%lld, %lld)", (long long)it->rows, (long long)it->cols);
-  if (it->cols > 0 && it->rows > INT64_MAX / it->cols)
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "shape overflows int64");
-  if (it->period < 1 || (it->cols > 0 && it->cols % it->period))
-    return gefen_fail_item(err, GEFEN_EVALUE, i, "period %lld does not divide %lld", (long long)it->period, (long long)it->cols);
   if (!(it->beta >= 0.0 && it->beta < 1.0))
     return gefen_fail_item(err, GEFEN_EVALUE, i, "momentum %g must lie in [0, 1)", it->beta);
   if (it->rows > 0 && it->cols > 0 && (!it->grad || !it->codes || !it->magnitude || !it->out))

@@ -15,9 +15,10 @@
 #include "core_internal.h"
 #include "quantizer_internal.h"
 
-/* The reference rule by binary search; exact for every float, NaN included. */
-uint8_t gefen_quantize_reference(const float *c, float u) {
-  int lo = 0, hi = GEFEN_CODEBOOK_SIZE; /* first index with c[r] >= u in [lo, hi] */
+/* The bracket of u in the reference rule: r = the first index with c[r] >= u
+ * (clamped to 255; no index qualifies for NaN), l = max(r - 1, 0). */
+static void bracket(const float *c, float u, int *l, int *r) {
+  int lo = 0, hi = GEFEN_CODEBOOK_SIZE;
   while (lo < hi) {
     int mid = (lo + hi) / 2;
     if (c[mid] >= u)
@@ -25,8 +26,14 @@ uint8_t gefen_quantize_reference(const float *c, float u) {
     else
       lo = mid + 1;
   }
-  int r = lo > GEFEN_CODEBOOK_SIZE - 1 ? GEFEN_CODEBOOK_SIZE - 1 : lo;
-  int l = r > 0 ? r - 1 : 0;
+  *r = lo > GEFEN_CODEBOOK_SIZE - 1 ? GEFEN_CODEBOOK_SIZE - 1 : lo;
+  *l = *r > 0 ? *r - 1 : 0;
+}
+
+/* The reference rule by binary search; exact for every float, NaN included. */
+uint8_t gefen_quantize_reference(const float *c, float u) {
+  int l, r;
+  bracket(c, u, &l, &r);
   return (uint8_t)(fabsf(u - c[l]) <= fabsf(u - c[r]) ? l : r);
 }
 
@@ -112,16 +119,8 @@ float gefen_sr_uniform(uint64_t seed, int64_t global_index) {
 uint8_t gefen_quant_stochastic(const gefen_quant_table *t, float u, uint64_t seed,
                                int64_t global_index) {
   const float *c = t->codebook;
-  int lo = 0, hi = GEFEN_CODEBOOK_SIZE;
-  while (lo < hi) {
-    int mid = (lo + hi) / 2;
-    if (c[mid] >= u)
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
-  int r = lo > GEFEN_CODEBOOK_SIZE - 1 ? GEFEN_CODEBOOK_SIZE - 1 : lo;
-  int l = r > 0 ? r - 1 : 0;
+  int l, r;
+  bracket(c, u, &l, &r);
   float span = c[r] - c[l];
   float p_up = span > 0.0f ? (u - c[l]) / span : 0.0f;
   return (uint8_t)(gefen_sr_uniform(seed, global_index) < p_up ? r : l);

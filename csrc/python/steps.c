@@ -172,6 +172,19 @@ static const gefen_quant_table *device_table(const call_options *opt, gefen_view
   return (const gefen_quant_table *)v.data;
 }
 
+/* The options of a single-tensor CUDA call: its device and the stream (an int or None). */
+static int cuda_options(DLDevice device, PyObject *stream_obj, call_options *opt) {
+  opt->nthreads = 0;
+  opt->table_obj = NULL;
+  opt->device = device;
+  opt->stream = NULL;
+  if (stream_obj != Py_None) {
+    opt->stream = PyLong_AsVoidPtr(stream_obj);
+    if (!opt->stream && PyErr_Occurred()) return -1;
+  }
+  return 0;
+}
+
 /* Runs `body` with the call's device current, restoring the previous one. */
 #define WITH_CUDA_DEVICE(opt, err, st, body)                                  \
   do {                                                                        \
@@ -518,9 +531,8 @@ PyObject *gefen_py_period_stats(PyObject *self, PyObject *args) {
       Py_END_ALLOW_THREADS
     } else {
 #ifdef GEFEN_WITH_CUDA
-      call_options opt = {0, NULL, NULL, g.device};
-      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
-        goto done;
+      call_options opt;
+      if (cuda_options(g.device, stream_obj, &opt) != 0) goto done;
       Py_BEGIN_ALLOW_THREADS
       WITH_CUDA_DEVICE(&opt, &err, st,
                        st = gefen_cuda_period_stats(&m, (const int64_t *)c.data, c.numel,
@@ -568,9 +580,8 @@ PyObject *gefen_py_histogram(PyObject *self, PyObject *args) {
       Py_END_ALLOW_THREADS
     } else {
 #ifdef GEFEN_WITH_CUDA
-      call_options opt = {0, NULL, NULL, g.device};
-      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
-        goto done;
+      call_options opt;
+      if (cuda_options(g.device, stream_obj, &opt) != 0) goto done;
       Py_BEGIN_ALLOW_THREADS
       WITH_CUDA_DEVICE(&opt, &err, st,
                        st = gefen_cuda_histogram(&m, period, (int64_t *)h.data, opt.stream, &err));
@@ -634,9 +645,8 @@ PyObject *gefen_py_codes_remap(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "CUDA codes need the code map as a device tensor");
         goto done;
       }
-      call_options opt = {0, NULL, NULL, c.device};
-      if (stream_obj != Py_None && !(opt.stream = PyLong_AsVoidPtr(stream_obj)) && PyErr_Occurred())
-        goto done;
+      call_options opt;
+      if (cuda_options(c.device, stream_obj, &opt) != 0) goto done;
       Py_BEGIN_ALLOW_THREADS
       WITH_CUDA_DEVICE(&opt, &err, st,
                        st = gefen_cuda_codes_remap((uint8_t *)c.data, c.numel, map, opt.stream,
