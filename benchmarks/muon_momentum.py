@@ -17,9 +17,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 
-import _common as C  # noqa: E402
 import gefen  # noqa: E402
 from gefen import _C  # noqa: E402
 
@@ -36,6 +36,36 @@ def median_ms(fn, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def measure(size: str, beta: float, steps: int) -> tuple[int, float, float]:
+    """(parameters, torch ms, GefenMuon ms) for one parameter set."""
+    d = WIDTH[size]
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3 * d, d), (d, d)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    bufs = [torch.zeros_like(g) for g in grads]
+    outs = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+
+    def torch_momentum():
+        for g, buf, out in zip(grads, bufs, outs):
+            buf.lerp_(g, 1 - beta)
+            out.copy_(g.lerp(buf, beta))
+
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = gefen.GefenMuon(params, lr=1e-3, momentum=beta)
+    for q, g in zip(params, grads):
+        q.grad = g
+    opt.step()  # learns periods and the codebook
+    items = [(f"w{i}", g, opt.state[q]["codes"], opt.state[q]["magnitude"], out,
+              opt.state[q]["period"], beta, True)
+             for i, (q, g, out) in enumerate(zip(params, grads, outs))]
+
+    def gefen_momentum():
+        _C.muon_momentum(items, opt._quantizer, torch.get_num_threads())
+
+    n = sum(g.numel() for g in grads)
+    return n, median_ms(torch_momentum, steps), median_ms(gefen_momentum, steps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,16M,64M")
@@ -45,38 +75,10 @@ def main(argv=None) -> int:
     C.set_threads(a.threads)
     C.print_header("Muon momentum stage: torch fp32 vs GefenMuon 8-bit (no Newton-Schulz)",
                    {"sizes": a.sizes, "steps": a.steps})
-    beta = 0.95
     print(f"\n{'set':>4} {'params':>11} {'torch Muon ms':>14} {'GefenMuon ms':>13} {'ratio':>6}")
     results = []
     for size in C.parse_list(a.sizes):
-        d = WIDTH[size]
-        gen = torch.Generator().manual_seed(0)
-        shapes = [(3 * d, d), (d, d)]
-        grads = [torch.randn(s, generator=gen) for s in shapes]
-        n = sum(g.numel() for g in grads)
-
-        bufs = [torch.zeros_like(g) for g in grads]
-        outs = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
-
-        def torch_momentum():
-            for g, buf, out in zip(grads, bufs, outs):
-                buf.lerp_(g, 1 - beta)
-                out.copy_(g.lerp(buf, beta))
-
-        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-        opt = gefen.GefenMuon(params, lr=1e-3, momentum=beta)
-        for q, g in zip(params, grads):
-            q.grad = g
-        opt.step()  # learns periods and the codebook
-        items = [(f"w{i}", g, opt.state[q]["codes"], opt.state[q]["magnitude"], out,
-                  opt.state[q]["period"], beta, True)
-                 for i, (q, g, out) in enumerate(zip(params, grads, outs))]
-
-        def gefen_momentum():
-            _C.muon_momentum(items, opt._quantizer, torch.get_num_threads())
-
-        t_torch = median_ms(torch_momentum, a.steps)
-        t_gefen = median_ms(gefen_momentum, a.steps)
+        n, t_torch, t_gefen = measure(size, 0.95, a.steps)
         print(f"{size:>4} {n:>11,} {t_torch:>14.3f} {t_gefen:>13.3f} {t_gefen / t_torch:>6.2f}")
         results.append({"set": size, "params": n, "torch_ms": t_torch, "gefen_ms": t_gefen})
     C.write_json(a.json, {"benchmark": "muon_momentum", "machine": C.machine_info(), "results": results})

@@ -518,3 +518,31 @@ def test_empty_state_entries_are_ignored():
     fresh = gefen.Gefen(model.parameters(), lr=1e-2)
     fresh.load_state_dict(sd)
     assert frozen not in fresh.state or not fresh.state[frozen]
+
+
+def test_dlpack_protocol_fallback_for_producers_without_the_exchange_api():
+    """numpy arrays have __dlpack__ but no C exchange table: the extension reads them
+    through the capsule protocol (the path older PyTorch versions take)."""
+    from gefen import _C
+
+    p = torch.nn.Parameter(torch.randn(16, 32))
+    opt = gefen.Gefen([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    cb = opt._codebook
+    assert not hasattr(type(cb.numpy()), "__dlpack_c_exchange_api__")
+    quantizer = _C.Quantizer(cb.numpy())
+    assert quantizer.codebook() == tuple(cb.tolist())
+    bad = cb.numpy().copy()
+    bad[0] = -0.5
+    with pytest.raises(ValueError, match="codebook"):
+        _C.codebook_validate(bad)
+    # a read-only producer is refused where the core would write
+    codes = opt.state[p]["codes"].numpy().copy()
+    codes.setflags(write=False)
+    st = opt.state[p]
+    item = ("w", p, p.grad, codes, st["magnitude"], None, st["v_row"], st["v_col"],
+            torch.empty(33, dtype=torch.float64), torch.empty(16, dtype=torch.float64),
+            st["period"], 0, 16, 2, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, 1)
+    with pytest.raises(ValueError, match="'w'.*codes.*read-only"):
+        _C.adam_validate([item])
