@@ -384,25 +384,41 @@ class GefenMuon(_QuantizedOptimizer):
         if chunk:
             yield chunk
 
+    @staticmethod
+    def _chunk_outputs(chunk: list[Slot], scratch: torch.Tensor) -> list[torch.Tensor]:
+        """The Newton–Schulz inputs of a chunk: consecutive views of the scratch buffer."""
+        outs, offset = [], 0
+        for s in chunk:
+            n = s.param.numel()
+            outs.append(scratch[offset : offset + n].view(s.param.shape))
+            offset += n
+        return outs
+
     def _prepare_update(self, plan: StepPlan) -> None:
-        """Validate every momentum item with ``_C.muon_validate``, per device (outputs
-        are views of one scratch buffer: validation reads only their sizes)."""
+        """Per device: chunk the slots, allocate one bf16 buffer for the largest chunk's
+        Newton–Schulz inputs, and validate every momentum item with ``_C.muon_validate``
+        against the very views the update will write (reused chunk after chunk)."""
+        payload = []
         for device, slots in group_by_device(plan.slots, lambda s: s.param.device).items():
-            scratch = torch.empty(
-                max(s.param.numel() for s in slots), dtype=torch.bfloat16, device=device
-            )
+            chunks = list(self._chunks(slots))
+            size = max(sum(s.param.numel() for s in chunk) for chunk in chunks)
+            scratch = torch.empty(size, dtype=torch.bfloat16, device=device)
             items = []
-            for s in slots:
-                out = scratch[: s.param.numel()].view(s.param.shape)
-                items.append(self._item(s, plan.state_of(self, s.param), self._grad_of(s), out))
+            for chunk in chunks:
+                for s, out in zip(chunk, self._chunk_outputs(chunk, scratch)):
+                    items.append(self._item(s, plan.state_of(self, s.param), self._grad_of(s), out))
             _C.muon_validate(items)
+            payload.append((device, chunks, scratch))
+        plan.payload = payload
 
     def _run_update(self, plan: StepPlan) -> None:
         nt = self._nthreads()
-        for device, slots in group_by_device(plan.slots, lambda s: s.param.device).items():
+        for device, chunks, scratch in plan.payload:
             stream, table = stream_of(device), self._device_table(plan.quantizer, device)
-            for chunk in self._chunks(slots):
-                outs = [torch.empty(s.param.shape, dtype=torch.bfloat16, device=device) for s in chunk]
+            for chunk in chunks:
+                # a chunk's inputs are consumed (Newton–Schulz copies them) before the next
+                # chunk overwrites the buffer
+                outs = self._chunk_outputs(chunk, scratch)
                 items = [
                     self._item(s, plan.state_of(self, s.param), self._grad_of(s), out)
                     for s, out in zip(chunk, outs)

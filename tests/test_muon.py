@@ -466,3 +466,25 @@ def test_bad_state_dict_leaves_optimizer_untouched(what):
         other.load_state_dict(_corrupt(good, CORRUPTIONS[what]))
     _assert_unchanged(other, oparams, snap)
     assert [dict(g) for g in other.param_groups] == groups_before
+
+
+def test_chunked_momentum_buffer_reuse_gives_identical_results(monkeypatch):
+    """The Newton–Schulz inputs of successive chunks share one buffer; splitting the
+    parameters into many chunks must not change any result."""
+    import gefen.muon as gm
+
+    def run():
+        gen = torch.Generator().manual_seed(11)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(12, 8), (8, 20), (16, 16)]]
+        opt = gefen.GefenMuon(params, lr=0.02, normuon=True)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return [p.detach().clone() for p in params], [opt.state[p]["codes"].clone() for p in params]
+
+    one_chunk = run()
+    monkeypatch.setattr(gm, "_CHUNK_ELEMENTS", 100)  # every parameter its own chunk
+    many_chunks = run()
+    for a, b in zip(one_chunk[0] + one_chunk[1], many_chunks[0] + many_chunks[1]):
+        assert torch.equal(a, b)
