@@ -25,7 +25,7 @@ from ._ext import _C
 from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
 from ._learning import choose_periods, learn_codebook
 from ._state import StateError, check_common_state
-from ._views import ParamView, local, make_replicated, make_row_state, make_view
+from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view
 
 
 @dataclass
@@ -33,7 +33,7 @@ class StepPlan:
     """A validated step that has not mutated anything yet (see ``_prepare_step``)."""
 
     views: list[ParamView]  # every parameter stepped (it has a gradient)
-    all_views: list[ParamView]  # every parameter of the optimizer (decides the group)
+    params: list[torch.Tensor]  # every parameter of the optimizer (decides the group)
     lrs: dict[int, float]  # id(group) -> the group's lr, read once this step
     pending: dict = field(default_factory=dict)  # key -> new state, installed after the update
     new_codebook: torch.Tensor | None = None
@@ -95,6 +95,7 @@ class _QuantizedOptimizer(Optimizer):
             self._check_group(group)
             for i, p in enumerate(group["params"]):
                 check_param(p, param_name(group, gi, i))
+                layout_of(p, param_name(group, gi, i))  # unsupported placements raise now
         except Exception:
             self.param_groups.pop()
             raise
@@ -204,13 +205,13 @@ class _QuantizedOptimizer(Optimizer):
         if new:
             periods = choose_periods(
                 new, [self._period_mode(v.group) for v in new], self._nthreads(), self._comm,
-                plan.all_views,
+                plan.params,
             )
             for v, period in zip(new, periods):
                 plan.pending[v.key] = self._new_state(v, period)
         if self._codebook is None or self._refresh_due():
             items = [(v, int(plan.state_of(self, v.key)["period"])) for v in plan.views]
-            plan.new_codebook = learn_codebook(items, self._nthreads(), self._comm, plan.all_views)
+            plan.new_codebook = learn_codebook(items, self._nthreads(), self._comm, plan.params)
             plan.quantizer = _C.Quantizer(plan.new_codebook)
             if self._quantizer is not None:
                 self._remap_into_copies(plan)
@@ -279,7 +280,8 @@ class _QuantizedOptimizer(Optimizer):
         except Exception as exc:  # agreed below: every rank raises
             error = error or exc
         views = [v for v in all_views if v.grad is not None]
-        plan = StepPlan(views, all_views, lrs)
+        params = [p for g in self.param_groups for p in g["params"]]
+        plan = StepPlan(views, params, lrs)
         flags = [0, 0, 0]
         if error is None:
             flags[FLAG_ANY_LR] = int(any(lr != 0.0 for lr in lrs.values()))
@@ -290,7 +292,7 @@ class _QuantizedOptimizer(Optimizer):
         )
         header = self._header(lrs)
         if learning or error is not None:
-            flags = self._comm.agree(all_views, header, flags, error)
+            flags = self._comm.agree(params, header, flags, error)
             if not self._has_work(views, flags):
                 return None
             self._learn(plan)
@@ -298,7 +300,7 @@ class _QuantizedOptimizer(Optimizer):
                 self._prepare_update(plan)
             except Exception as exc:
                 error = exc
-            self._comm.agree(all_views, header, flags, error)
+            self._comm.agree(params, header, flags, error)
             return plan
         try:
             if views:
@@ -306,7 +308,7 @@ class _QuantizedOptimizer(Optimizer):
                 self._prepare_update(plan)
         except Exception as exc:
             error = exc
-        flags = self._comm.agree(all_views, header, flags, error)
+        flags = self._comm.agree(params, header, flags, error)
         return plan if self._has_work(views, flags) else None
 
     @staticmethod

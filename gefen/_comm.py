@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._views import Layout, ParamView
+from ._views import Layout, is_dtensor
 
 try:
     import torch.distributed as dist
@@ -97,17 +97,17 @@ class Comm:
     # ------------------------------------------------------------ groups
 
     @staticmethod
-    def distributed(views: Sequence[ParamView]) -> bool:
+    def distributed(params: Sequence[torch.Tensor]) -> bool:
         """Whether any parameter lives on a device mesh (then collectives are needed)."""
-        return any(v.layout.distributed for v in views)
+        return any(is_dtensor(p) for p in params)
 
-    def group(self, views: Sequence[ParamView]):
-        """The agreement group: every rank of every mesh of ``views`` (WORLD when that
+    def group(self, params: Sequence[torch.Tensor]):
+        """The agreement group: every rank of every mesh of ``params`` (WORLD when that
         is the whole world). Created once, by the member ranks only."""
         ranks: set[int] = set()
-        for v in views:
-            if v.layout.distributed:
-                ranks.update(int(r) for r in v.layout.mesh.mesh.flatten().tolist())
+        for p in params:
+            if is_dtensor(p):
+                ranks.update(int(r) for r in p.device_mesh.mesh.flatten().tolist())
         key = tuple(sorted(ranks))
         if key != self._group_ranks:
             if key == tuple(range(dist.get_world_size())):
@@ -145,7 +145,7 @@ class Comm:
 
     def agree(
         self,
-        views: Sequence[ParamView],
+        params: Sequence[torch.Tensor],
         header: Sequence[str],
         flags: Sequence[int],
         error: BaseException | None,
@@ -159,21 +159,21 @@ class Comm:
         """
         flags = list(flags)
         flags[FLAG_ERROR] = 1 if error is not None else 0
-        if not self.distributed(views):
+        if not self.distributed(params):
             if error is not None:
                 raise error
             return flags
-        group = self.group(views)
+        group = self.group(params)
         d = _words(digest(header))
         buf = torch.tensor(d + [-w for w in d] + flags, dtype=torch.int64)
         self._reduce("agree", buf, group, dist.ReduceOp.MAX)
         vals = buf.tolist()
         hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
         reduced = vals[2 * _DIGEST_WORDS :]
+        if reduced[FLAG_ERROR]:  # first: a failed rank's header may be incomplete
+            self._raise_error(group, error)
         if hi != [-w for w in neg_lo]:
             self._raise_divergence(group, header)
-        if reduced[FLAG_ERROR]:
-            self._raise_error(group, error)
         if error is not None:  # unreachable: the flag was set
             raise error
         return reduced
@@ -215,12 +215,21 @@ class Comm:
 
     # ------------------------------------------------------------ reductions
 
-    def sum_int64(self, views: Sequence[ParamView], buf: torch.Tensor, kind: str) -> torch.Tensor:
+    def sum_int64(self, params: Sequence[torch.Tensor], buf: torch.Tensor, kind: str) -> torch.Tensor:
         """Sums an int64 buffer over the agreement group (exact). Callers zero the parts
         a rank must not count (replicated copies other than the primary one)."""
-        if self.distributed(views):
-            self._reduce(kind, buf, self.group(views))
+        if self.distributed(params):
+            self._reduce(kind, buf, self.group(params))
         return buf
+
+    def leader(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether this rank counts the plain (non-DTensor) parameters of a sharded
+        optimizer in global statistics: they are replicas (as under DDP), counted once,
+        by the group's first rank. Always True for one process."""
+        if not self.distributed(params):
+            return True
+        self.group(params)
+        return dist.get_rank() == self._group_ranks[0]
 
     def sum_by_shard_group(self, entries: Sequence[tuple[Layout, torch.Tensor]], kind: str) -> None:
         """Sums buffers over the shard group of their layout, one collective per group

@@ -22,9 +22,12 @@ from ._layout import rows_cols
 from ._views import ParamView
 
 
-def counts_here(view: ParamView) -> bool:
-    """Whether this rank's rows of ``view`` count in global statistics."""
-    return view.layout.primary and view.param.numel() > 0
+def counts_here(view: ParamView, leader: bool) -> bool:
+    """Whether this rank's rows of ``view`` count in global statistics: the primary
+    copy of a DTensor's rows; a plain tensor's on the leader rank only."""
+    if view.param.numel() == 0:
+        return False
+    return view.layout.primary if view.layout.distributed else leader
 
 
 def choose_periods(
@@ -32,10 +35,12 @@ def choose_periods(
     modes: Sequence[str],
     nthreads: int,
     comm: Comm,
-    all_views: Sequence[ParamView],
+    params: Sequence[torch.Tensor],
 ) -> list[int]:
     """The period of each view (``mode`` "auto" or "row"), from its local gradient and
-    one integer all-reduce for all of them. ``all_views`` decides the group."""
+    one integer all-reduce for all of them over the group of ``params`` (all the
+    optimizer's parameters)."""
+    leader = comm.leader(params)
     width = _C.PERIOD_STAT_WIDTH
     plans = []  # (view, candidates or None, offset)
     total = 0
@@ -50,7 +55,7 @@ def choose_periods(
         total += len(cands) * width
     stats = torch.zeros(total, dtype=torch.int64)
     for v, cands, off in plans:
-        if cands is None or not counts_here(v):
+        if cands is None or not counts_here(v, leader):
             continue
         n = len(cands) * width
         g = v.grad.contiguous()
@@ -61,7 +66,7 @@ def choose_periods(
             _C.period_stats(v.name, g, cands, dev, nthreads, stream_of(g.device))
             stats[off : off + n] = dev.cpu()
     if total:
-        comm.sum_int64(all_views, stats, "period")
+        comm.sum_int64(params, stats, "period")
     periods = []
     for (v, cands, off), mode in zip(plans, modes):
         rows, cols = rows_cols(v.shape)
@@ -77,13 +82,14 @@ def learn_codebook(
     items: Sequence[tuple[ParamView, int]],
     nthreads: int,
     comm: Comm,
-    all_views: Sequence[ParamView],
+    params: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """The 256-entry codebook learned from every ``(view, period)`` pair's gradient:
     one int64 histogram, summed over devices and (once) over the optimizer's ranks."""
+    leader = comm.leader(params)
     per_device: dict[torch.device, torch.Tensor] = {}
     for v, period in items:
-        if not counts_here(v):
+        if not counts_here(v, leader):
             continue
         g = v.grad.contiguous()
         hist = per_device.get(g.device)
@@ -93,7 +99,7 @@ def learn_codebook(
     hist = torch.zeros(_C.HIST_BINS, dtype=torch.int64)
     for h in per_device.values():
         hist += h.cpu()
-    comm.sum_int64(all_views, hist, "histogram")
+    comm.sum_int64(params, hist, "histogram")
     if not bool(hist.any()):
         raise ValueError(
             "gefen: the codebook cannot be learned: every gradient of this step is zero or "
