@@ -110,6 +110,21 @@ class _QuantizedOptimizer(Optimizer):
         and running totals (all zero for an optimizer of plain tensors)."""
         return self._comm.stats
 
+    # ------------------------------------------------------------ rebinding
+
+    def rebind(self, model: torch.nn.Module) -> None:
+        """Point the optimizer at ``model``'s current parameters, matched by fully
+        qualified name: for an optimizer built from ``model.named_parameters()`` before
+        ``fully_shard(model)`` replaced them with DTensors.
+
+        Only before the first step (and before any state is loaded). Every name must
+        exist in the model with the same global shape; on any error nothing changes.
+        """
+        new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
+        install_rebind(self, new_params)
+        self._header_cache = {}
+        self._codebook_copies = {}
+
     # ------------------------------------------------------------ helpers
 
     @staticmethod
@@ -541,3 +556,44 @@ def row_vector(view: ParamView) -> torch.Tensor:
     return make_row_state(
         view, torch.zeros(view.local_rows, dtype=torch.float32, device=view.param.device), (view.rows,)
     )
+
+
+def rebind_plan(opt: Optimizer, model: torch.nn.Module, has_state: bool) -> list[list[torch.Tensor]]:
+    """The parameters ``opt``'s groups would hold after :meth:`rebind` (validated; nothing
+    changes): each group's ``param_names`` looked up in ``model.named_parameters()``."""
+    if has_state:
+        raise RuntimeError(
+            "rebind() is only allowed before the optimizer's first step (it has state); "
+            "build the optimizer after fully_shard(model), or rebind before stepping"
+        )
+    named = dict(model.named_parameters())
+    out = []
+    for gi, group in enumerate(opt.param_groups):
+        names = group.get("param_names")
+        if names is None or len(names) != len(group["params"]):
+            raise ValueError(
+                f"rebind() needs parameter names: parameter group {gi} was not built from "
+                "model.named_parameters()"
+            )
+        params = []
+        for name, old in zip(names, group["params"]):
+            new = named.get(name)
+            if new is None:
+                raise ValueError(f"rebind(): parameter '{name}' is not a parameter of the model")
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(
+                    f"rebind(): parameter '{name}' has shape {tuple(new.shape)} in the model but "
+                    f"{tuple(old.shape)} in the optimizer"
+                )
+            check_param(new, name)
+            layout_of(new, name)
+            params.append(new)
+        out.append(params)
+    return out
+
+
+def install_rebind(opt: Optimizer, new_params: list[list[torch.Tensor]]) -> None:
+    """Install what :func:`rebind_plan` returned."""
+    for group, params in zip(opt.param_groups, new_params):
+        group["params"] = params
+    opt.state = defaultdict(dict)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ._base import _QuantizedOptimizer
+from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
 from ._layout import check_param, check_plain_grads
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
@@ -291,6 +291,21 @@ class GefenMuonHybrid(Optimizer):
             self._owner = {q: c for c in self._children for g in c.param_groups for q in g["params"]}
             child = self._owner.get(p)
         return child
+
+    def rebind(self, model: nn.Module) -> None:
+        """Point both children at ``model``'s current parameters by fully qualified
+        name (e.g. after ``fully_shard(model)``); only before the first step. Both
+        children are checked before either changes."""
+        plans = []
+        for child in self._children:
+            has_state = bool(getattr(child, "_global_step", 0) or any(child.state.values()))
+            plans.append(rebind_plan(child, model, has_state))
+        for child, params in zip(self._children, plans):
+            install_rebind(child, params)
+            if isinstance(child, _QuantizedOptimizer):
+                child._header_cache = {}
+                child._codebook_copies = {}
+        self._owner = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: the routing is fixed at construction. Add the group to

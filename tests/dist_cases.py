@@ -385,3 +385,32 @@ def fsdp_grads_are_averaged(rank, world):
         g, h = p.grad.full_tensor(), q.grad
         ratios.append(float(g.norm() / h.norm()) if float(h.norm()) > 0 else 1.0)
     return ratios
+
+
+def fsdp_rebind(rank, world, kind):
+    """An optimizer built from named_parameters() before fully_shard, then rebound to
+    the sharded parameters, trains exactly like one built after fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = _tiny_gpt()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opt_a = _make_opt(kind, a)  # before sharding: plain parameters
+    mesh = make_mesh((world,))
+    for m in (a, b):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt_a.rebind(a)
+    opt_b = _make_opt(kind, b)
+    for step in range(3):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters()))
+    try:  # after a step: refused, nothing changes
+        opt_a.rebind(a)
+        late = None
+    except RuntimeError as exc:
+        late = str(exc)
+    return {"same": same, "late": late, "dtensors": all(isinstance(p, DTensor) for g in opt_a.param_groups for p in g["params"])}

@@ -185,3 +185,10 @@ def test_a_rank_failing_in_the_statistics_phase_makes_every_rank_raise(gloo_pool
     assert res[1]["error"] == ("RuntimeError", "simulated failure in the statistics phase")
     assert res[0]["error"][0] == "RuntimeError" and "1 rank(s) failed" in res[0]["error"][1]
     assert all(r["unchanged"] for r in res), res
+
+
+@pytest.mark.parametrize("kind", ["gefen", "hybrid-adamw"])
+def test_rebind_after_fully_shard(gloo_pools, kind):
+    for res in gloo_pools(2).run(D.fsdp_rebind, kind):
+        assert res["same"] and res["dtensors"], res
+        assert "only allowed before the optimizer's first step" in res["late"], res
