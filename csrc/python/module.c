@@ -2,6 +2,7 @@
  * that include Python.h live in this folder. The module links no libtorch:
  * tensors arrive through DLPack (tensor_view.c). */
 #include "quantizer_type.h" /* Python.h first */
+#include "build_info.h"
 #include "steps.h"
 
 #include <string.h>
@@ -36,7 +37,7 @@ static PyObject *quantizer_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     gefen_raise_status(st, NULL, err.msg);
     return NULL;
   }
-  GefenQuantizer *self = (GefenQuantizer *)type->tp_alloc(type, 0);
+  GefenQuantizer *self = (GefenQuantizer *)PyType_GenericAlloc(type, 0);
   if (!self) {
     gefen_quantizer_destroy(q);
     return NULL;
@@ -46,8 +47,10 @@ static PyObject *quantizer_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 }
 
 static void quantizer_dealloc(GefenQuantizer *self) {
+  PyTypeObject *tp = Py_TYPE(self);
   gefen_quantizer_destroy(self->q);
-  Py_TYPE(self)->tp_free((PyObject *)self);
+  PyObject_Free(self);
+  Py_DECREF(tp); /* heap type */
 }
 
 static PyObject *quantizer_codebook(GefenQuantizer *self, PyObject *unused) {
@@ -61,7 +64,7 @@ static PyObject *quantizer_codebook(GefenQuantizer *self, PyObject *unused) {
       Py_DECREF(out);
       return NULL;
     }
-    PyTuple_SET_ITEM(out, i, f);
+    PyTuple_SetItem(out, i, f); /* steals f; cannot fail for i < size */
   }
   return out;
 }
@@ -113,7 +116,7 @@ done:
 /* remap_table(new) -> bytes: code c of this codebook -> the nearest code of
  * `new` to its value (codebook refresh). */
 static PyObject *quantizer_remap_table(GefenQuantizer *self, PyObject *arg) {
-  if (!PyObject_TypeCheck(arg, &GefenQuantizer_Type)) {
+  if (!PyObject_TypeCheck(arg, GefenQuantizer_Type)) {
     PyErr_SetString(PyExc_TypeError, "remap_table expects a Quantizer");
     return NULL;
   }
@@ -157,16 +160,22 @@ static PyGetSetDef quantizer_getset[] = {
      "True when the fast lookup table is exact for this codebook", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
-PyTypeObject GefenQuantizer_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gefen._C.Quantizer",
-    .tp_basicsize = sizeof(GefenQuantizer),
-    .tp_dealloc = (destructor)quantizer_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Quantizer(codebook): nearest-code quantiser for a 256-entry float32 codebook",
-    .tp_methods = quantizer_methods,
-    .tp_getset = quantizer_getset,
-    .tp_new = quantizer_new,
-};
+/* A heap type (the limited API has no static types), made once at module init. */
+PyTypeObject *GefenQuantizer_Type = NULL;
+
+static PyType_Slot quantizer_slots[] = {
+    {Py_tp_new, (void *)quantizer_new},
+    {Py_tp_dealloc, (void *)quantizer_dealloc},
+    {Py_tp_methods, quantizer_methods},
+    {Py_tp_getset, quantizer_getset},
+    {Py_tp_doc,
+     (void *)"Quantizer(codebook): nearest-code quantiser for a 256-entry float32 codebook"},
+    {0, NULL}};
+
+/* Immutable like the static type it replaces: its attributes cannot be reassigned. */
+static PyType_Spec quantizer_spec = {"gefen._C.Quantizer", sizeof(GefenQuantizer), 0,
+                                     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+                                     quantizer_slots};
 
 /* ----------------------------------------------------------- free functions */
 
@@ -185,7 +194,7 @@ static PyObject *py_period_candidates(PyObject *self, PyObject *args) {
       Py_CLEAR(out);
       break;
     }
-    PyList_SET_ITEM(out, (Py_ssize_t)i, v);
+    PyList_SetItem(out, (Py_ssize_t)i, v); /* steals v; cannot fail for i < size */
   }
   PyMem_Free(buf);
   return out;
@@ -317,6 +326,12 @@ static PyObject *py_has_threads(PyObject *self, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"core_version", py_core_version, METH_NOARGS, "core_version() -> int"},
     {"has_threads", py_has_threads, METH_NOARGS, "has_threads() -> bool: built with OpenMP"},
+    {"build_info", gefen_py_build_info, METH_NOARGS,
+     "build_info() -> dict: distribution, version, compiler, flags, OpenMP, CUDA of this build"},
+    {"simd_path", gefen_py_simd_path, METH_NOARGS,
+     "simd_path() -> 'avx512', 'avx2' or 'portable': the element kernels chosen on this CPU"},
+    {"default_threads", gefen_py_default_threads, METH_NOARGS,
+     "default_threads() -> int: threads of a core call with nthreads=0 (OpenMP's default)"},
     {"built_with_cuda", gefen_py_built_with_cuda, METH_NOARGS,
      "built_with_cuda() -> bool: the CUDA kernels are compiled in"},
     {"cuda_available", gefen_py_cuda_available, METH_NOARGS,
@@ -349,10 +364,13 @@ static struct PyModuleDef module_def = {
     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__C(void) {
-  if (PyType_Ready(&GefenQuantizer_Type) < 0) return NULL;
+  if (!GefenQuantizer_Type) {
+    GefenQuantizer_Type = (PyTypeObject *)PyType_FromSpec(&quantizer_spec);
+    if (!GefenQuantizer_Type) return NULL;
+  }
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
-  if (PyModule_AddObjectRef(m, "Quantizer", (PyObject *)&GefenQuantizer_Type) < 0 ||
+  if (PyModule_AddObjectRef(m, "Quantizer", (PyObject *)GefenQuantizer_Type) < 0 ||
       gefen_add_step_types(m) < 0 ||
       PyModule_AddIntConstant(m, "CODEBOOK_SIZE", GEFEN_CODEBOOK_SIZE) < 0 ||
       PyModule_AddIntConstant(m, "HIST_BINS", GEFEN_HIST_BINS) < 0 ||

@@ -209,7 +209,7 @@ static int parse_run_options(PyObject *args, PyObject *kwargs, PyObject **qobj,
   opt->table_obj = NULL;
   opt->stream = NULL;
   if (qobj) {
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|iOO", kw_q, &GefenQuantizer_Type, qobj,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|iOO", kw_q, GefenQuantizer_Type, qobj,
                                      &opt->nthreads, &stream_obj, &opt->table_obj))
       return -1;
   } else {
@@ -814,11 +814,11 @@ PyObject *gefen_py_codes_remap(PyObject *self, PyObject *args) {
     goto done;
   const uint8_t *map = NULL;
   if (PyBytes_Check(map_obj)) {
-    if (PyBytes_GET_SIZE(map_obj) != GEFEN_CODEBOOK_SIZE) {
+    if (PyBytes_Size(map_obj) != GEFEN_CODEBOOK_SIZE) {
       PyErr_SetString(PyExc_ValueError, "the code map must have 256 entries");
       goto done;
     }
-    map = (const uint8_t *)PyBytes_AS_STRING(map_obj);
+    map = (const uint8_t *)PyBytes_AsString(map_obj);
   } else {
     if (gefen_view_get(map_obj, &mv, &keep, "<codes>", "the code map") != 0 ||
         gefen_view_expect(&mv, "<codes>", "the code map", kDLUInt, 8, GEFEN_CODEBOOK_SIZE,

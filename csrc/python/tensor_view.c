@@ -119,7 +119,7 @@ int gefen_view_get(PyObject *obj, gefen_view *v, gefen_view_keep *keep,
     PyErr_Fetch(&type, &value, &tb);
     PyObject *s = value ? PyObject_Str(value) : NULL;
     PyErr_Format(PyExc_TypeError, "parameter '%s': %s is not a readable tensor (%s)", name,
-                 what, s ? PyUnicode_AsUTF8(s) : "unknown error");
+                 what, s ? PyUnicode_AsUTF8AndSize(s, NULL) : "unknown error");
     Py_XDECREF(s);
     Py_XDECREF(type);
     Py_XDECREF(value);
