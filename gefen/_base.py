@@ -11,20 +11,18 @@ the update itself (``_prepare_update``, ``_run_update``).
 from __future__ import annotations
 
 from collections import defaultdict
-from copy import deepcopy
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from . import _checkpoint
 from ._comm import FLAG_ANY_GRAD, FLAG_ANY_LR, Comm
 from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
 from ._learning import choose_periods, learn_codebook
-from ._state import StateError, check_common_state
 from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view
 
 
@@ -72,11 +70,13 @@ class _QuantizedOptimizer(Optimizer):
                 f"dicts, but got {torch.typename(params)}"
             )
         defaults = dict(defaults, gefen_schema=SCHEMA_VERSION, gefen_kind=self.KIND)
+        defaults[_checkpoint.STATE_COUNT] = 0
         self.codebook_refresh_every = codebook_refresh_every
         self._codebook: torch.Tensor | None = None
         self._codebook_copies: dict = {}
         self._quantizer = None
         self._global_step = 0
+        self._prepared = False  # gefen.dcp.prepare_load allocated state not yet loaded
         self._comm = Comm()
         self._header_cache: dict = {}
         super().__init__(params, defaults)
@@ -92,6 +92,7 @@ class _QuantizedOptimizer(Optimizer):
         try:
             group["gefen_schema"] = SCHEMA_VERSION
             group["gefen_kind"] = self.KIND
+            group[_checkpoint.STATE_COUNT] = 0
             self._check_group(group)
             for i, p in enumerate(group["params"]):
                 check_param(p, param_name(group, gi, i))
@@ -269,6 +270,12 @@ class _QuantizedOptimizer(Optimizer):
     def _local_checks(self) -> tuple[list[ParamView], dict[int, float]]:
         """Every check this rank can make alone: layouts, gradients, groups and the
         kind's own; raises on the first problem."""
+        if self.__dict__.get("_prepared"):
+            raise RuntimeError(
+                "gefen.dcp.prepare_load() allocated this optimizer's state for a checkpoint "
+                "that has not been loaded yet; load it (dcp.load / set_state_dict / "
+                "load_state_dict) before stepping"
+            )
         lrs = self._read_lrs()
         for group in self.param_groups:
             self._check_group(group)
@@ -358,6 +365,7 @@ class _QuantizedOptimizer(Optimizer):
         for st in self.state.values():
             if "global_step" in st:
                 st["global_step"] = self._global_step
+        _checkpoint.update_state_counts(self)
 
     def _device_table(self, quantizer, device: torch.device):
         """The quantiser's lookup table on ``device`` (None on the CPU), cached."""
@@ -370,123 +378,69 @@ class _QuantizedOptimizer(Optimizer):
 
     # ------------------------------------------------------------ checkpoints
 
+    #: Options of the live optimizer a load keeps (the rest come from the checkpoint).
+    _LIVE_OPTIONS: tuple[str, ...] = ()
+
     def state_dict(self) -> dict[str, Any]:
         """The standard ``torch.optim`` state dict: ``state`` keyed by parameter index and
-        ``param_groups``. Each parameter's state holds its period and representation as
-        ints, its step, the optimizer's global step and the shared codebook tensor.
-        Parameters that have never been stepped have no entry (also when something, such
-        as DCP's state-dict helpers, created an empty one by looking them up)."""
-        sd = super().state_dict()
-        sd["state"] = {k: v for k, v in sd["state"].items() if v}
-        return sd
+        ``param_groups``. Each parameter's state holds *copies* of its tensors (DTensors
+        for DTensor parameters, laid out on the parameter's grid), its period and
+        representation as ints, its step, the optimizer's global step, the shared
+        codebook and integrity digests. Parameters that have never been stepped have no
+        entry."""
+        return _checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict produced by :meth:`state_dict`.
+        """Load a state dict produced by :meth:`state_dict` (also reassembled by
+        ``torch.distributed.checkpoint`` on any topology).
 
-        Everything is validated first (schema, kind, group sizes, keys, shapes, dtypes,
-        finite non-negative moments, a valid codebook shared by all parameters, one global
-        step); on any error a ``ValueError`` names the parameter and the optimizer is left
-        exactly as it was. Hyper-parameters are restored from the saved groups, as
-        ``torch.optim`` does. Tensors keep their dtype (state stays float32) and move to
-        the parameter's device.
+        Validate → agree → convert → install. Everything is validated first (schema,
+        kind, group sizes, keys, shapes, dtypes, finite non-negative moments, a valid
+        codebook shared by all parameters, one global step, every rank's rows against
+        their digests, no state dropped on the way); every rank then agrees, and on any
+        error every rank raises the same ``ValueError`` naming the parameter, leaving the
+        optimizer exactly as it was. Hyper-parameters are restored from the saved groups
+        as ``torch.optim`` does, except the options that choose the representation
+        (Gefen's ``factored``, GefenMuon's ``sharded_mode``), which stay the live ones:
+        block and factored state are converted (COMPATIBILITY.md).
         """
-        state_dict = state_dict.copy()
+        params = [p for g in self.param_groups for p in g["params"]]
+        checked, error = None, None
+        try:
+            checked = self._validate_load(state_dict)
+        except Exception as exc:  # agreed: every rank raises
+            error = exc
+        self._comm.agree(params, self._load_header(), [0, 0, 0], error)
+        self._install_load(checked)
+
+    def _validate_load(self, state_dict: dict[str, Any]) -> dict:
+        """The load's pre-hooks and every local check (mutates nothing)."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("a state dict needs 'state' and 'param_groups'")
-        groups = self.param_groups
-        saved_groups = deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}"
-            )
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(
-                    f"parameter group {gi}: the loaded state dict has {len(sg['params'])} "
-                    f"parameters, the optimizer {len(g['params'])}"
-                )
-            schema = sg.get("gefen_schema")
-            if schema != SCHEMA_VERSION:
-                raise ValueError(
-                    f"parameter group {gi}: state-dict schema version {schema!r} is not "
-                    f"supported (this gefen reads version {SCHEMA_VERSION})"
-                )
-            if sg.get("gefen_kind") != self.KIND:
-                raise ValueError(
-                    f"parameter group {gi}: the state dict is from optimizer kind "
-                    f"{sg.get('gefen_kind')!r}, not {self.KIND!r}"
-                )
-            merged = dict(sg, params=g["params"])
-            self._check_group(merged)
-        id_map = dict(
-            zip(
-                chain.from_iterable(g["params"] for g in saved_groups),
-                chain.from_iterable(g["params"] for g in groups),
-            )
-        )
-        where = {}
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
-            for i, pid in enumerate(sg["params"]):
-                where[pid] = (gi, i, g, sg)
-        new_state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
-        codebook = None
-        global_step = None
-        for pid, st in state_dict["state"].items():
-            if isinstance(st, dict) and not st:
-                continue  # a parameter that was never stepped
-            if pid not in id_map:
-                raise ValueError(f"loaded state refers to parameter id {pid!r}, which no group holds")
-            p = id_map[pid]
-            gi, i, group, saved_group = where[pid]
-            name = param_name(group, gi, i)
-            try:
-                check_common_state(st, p, name)
-                self._check_state(st, p, name, saved_group)
-            except StateError as exc:
-                raise ValueError(str(exc)) from None
-            if codebook is None:
-                codebook = st["codebook"]
-                try:
-                    _C.codebook_validate(codebook.detach().cpu().contiguous())
-                except ValueError as exc:
-                    raise ValueError(f"parameter '{name}': state 'codebook' is invalid: {exc}") from None
-                global_step = int(st["global_step"])
-            else:
-                if not torch.equal(st["codebook"].cpu(), codebook.cpu()):
-                    raise ValueError(
-                        f"parameter '{name}': state 'codebook' differs from the other parameters' "
-                        "(an optimizer has one codebook)"
-                    )
-                if int(st["global_step"]) != global_step:
-                    raise ValueError(
-                        f"parameter '{name}': state 'global_step' {int(st['global_step'])} differs "
-                        f"from the other parameters' ({global_step})"
-                    )
-            new_state[p] = {
-                k: (v.detach().to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else int(v))
-                for k, v in st.items()
-            }
-        # Everything is valid: install.
-        shared = codebook.detach().to(torch.float32).cpu().clone() if codebook is not None else None
-        for st in new_state.values():
-            st["codebook"] = shared
-        param_groups = []
-        for g, sg in zip(groups, saved_groups):
-            sg["params"] = g["params"]
-            if "param_names" in g and "param_names" not in sg:
-                sg["param_names"] = g["param_names"]
-            param_groups.append(sg)
-        self.__setstate__({"state": new_state, "param_groups": param_groups})
-        self._codebook = shared
-        self._codebook_copies = {(None, torch.device("cpu")): shared} if shared is not None else {}
-        self._quantizer = _C.Quantizer(shared) if shared is not None else None
-        self._global_step = global_step or 0
+        return _checkpoint.validate(self, state_dict)
+
+    def _install_load(self, checked: dict) -> None:
+        """Convert and install a validated (and agreed) load; run the post-hooks."""
+        _checkpoint.install(self, checked, self._convert_loaded)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _load_header(self) -> list[str]:
+        """What ranks must agree on before a load installs: the parameter list."""
+        return self._header(self._read_lrs_safely())
+
+    def _read_lrs_safely(self) -> dict[int, float]:
+        try:
+            return self._read_lrs()
+        except Exception:
+            return {}
+
+    def _convert_loaded(self, view: ParamView, st: dict, saved_group: dict) -> dict:
+        """A loaded state (local parts) in the live representation (kinds override)."""
+        return st
 
     # ------------------------------------------------------------ pickling
 
@@ -548,6 +502,10 @@ def block_state(view: ParamView, period: int) -> dict:
         "magnitude": make_row_state(
             view, torch.zeros((lrows, nblocks), dtype=torch.float32, device=dev), (rows, nblocks)
         ),
+        # integrity digests, refreshed by state_dict(); live so that PyTorch's flattened
+        # load (which restores only the keys live state has) brings them too
+        "digest_rows": make_row_state(view, torch.zeros(lrows, dtype=torch.int64, device=dev), (rows,)),
+        "digest": make_replicated(view, torch.zeros(2, dtype=torch.int64, device=dev)),
     }
 
 

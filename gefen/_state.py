@@ -6,9 +6,13 @@ import torch
 
 from ._ext import _C
 from ._layout import rows_cols
+from ._views import local
 
-#: Keys every quantised parameter state has.
-COMMON_KEYS = ("step", "global_step", "period", "codes", "magnitude", "codebook")
+#: Integrity digests every exported state carries (see _checkpoint.py).
+DIGEST_KEYS = ("digest_rows", "digest")
+
+#: Keys every quantised parameter state in a state dict has.
+COMMON_KEYS = ("step", "global_step", "period", "codes", "magnitude", "codebook", *DIGEST_KEYS)
 
 
 class StateError(ValueError):
@@ -35,8 +39,8 @@ def check_tensor(
     shape: tuple[int, ...],
     moment: bool = False,
 ) -> torch.Tensor:
-    """A state tensor of the given dtype and shape; ``moment`` also requires finite
-    non-negative values."""
+    """A state tensor of the given dtype and (global) shape; ``moment`` also requires
+    finite non-negative values (checked on this rank's part of a DTensor)."""
     v = st.get(key)
     if not isinstance(v, torch.Tensor):
         raise StateError(f"parameter '{name}': state '{key}' must be a tensor, got {type(v).__name__}")
@@ -46,10 +50,11 @@ def check_tensor(
         raise StateError(
             f"parameter '{name}': state '{key}' has shape {tuple(v.shape)}, expected {tuple(shape)}"
         )
-    if moment and v.numel():
-        if not bool(torch.isfinite(v).all()):
+    lv = local(v)
+    if moment and lv.numel():
+        if not bool(torch.isfinite(lv).all()):
             raise StateError(f"parameter '{name}': state '{key}' holds non-finite values")
-        if bool((v < 0).any()):
+        if bool((lv < 0).any()):
             raise StateError(f"parameter '{name}': state '{key}' holds negative values")
     return v
 
@@ -97,4 +102,6 @@ def check_common_state(st: dict, p: torch.Tensor, name: str) -> int:
     check_tensor(st, "codes", name, torch.uint8, tuple(p.shape))
     check_tensor(st, "magnitude", name, torch.float32, (rows, cols // period), moment=True)
     check_tensor(st, "codebook", name, torch.float32, (_C.CODEBOOK_SIZE,))
+    check_tensor(st, "digest_rows", name, torch.int64, (rows,))
+    check_tensor(st, "digest", name, torch.int64, (2,))
     return period

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ._base import StepPlan, _QuantizedOptimizer, block_state, row_vector
+from ._checkpoint import block_to_factored, factored_to_block
 from ._comm import ShardBuffers
 from ._device import group_by_device, stream_of
 from ._ext import _C
@@ -135,15 +136,15 @@ class Gefen(_QuantizedOptimizer):
         return st
 
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
+        """A saved state in either form (``load_state_dict`` converts it to the live
+        group's ``factored`` setting)."""
         factored = as_int(st, "factored", name) if "factored" in st else None
         if factored not in (0, 1):
             raise StateError(f"parameter '{name}': state 'factored' must be 0 or 1, got {factored!r}")
-        if bool(factored) != self._is_factored(p, group):
+        if factored and p.dim() < 2:
             raise StateError(
-                f"parameter '{name}': state is {'factored' if factored else 'block'} but the "
-                f"group's factored={group['factored']} gives the "
-                f"{'factored' if self._is_factored(p, group) else 'block'} form for shape "
-                f"{tuple(p.shape)}"
+                f"parameter '{name}': state is factored but the parameter has shape "
+                f"{tuple(p.shape)} (the factored form needs two or more dimensions)"
             )
         extra = ("v_row", "v_col") if factored else ("vmean",)
         check_keys(st, name, set(COMMON_KEYS) | {"factored", *extra})
@@ -154,6 +155,24 @@ class Gefen(_QuantizedOptimizer):
         else:
             period = as_int(st, "period", name)
             check_tensor(st, "vmean", name, torch.float32, (rows, cols // period), moment=True)
+
+    #: Options of the live optimizer a load keeps (the rest come from the checkpoint).
+    _LIVE_OPTIONS = ("factored",)
+
+    def _convert_loaded(self, view: ParamView, st: dict, saved_group: dict) -> dict:
+        """A loaded state (local parts) in the live group's representation: block and
+        factored second moments are projected onto each other (COMPATIBILITY.md)."""
+        want = int(self._is_factored(view.key, view.group))
+        if int(st["factored"]) == want:
+            return st
+        st = dict(st)
+        period = int(st["period"])
+        if want:
+            st["v_row"], st["v_col"] = block_to_factored(view, st.pop("vmean"), period, self._comm)
+        else:
+            st["vmean"] = factored_to_block(view, st.pop("v_row"), st.pop("v_col"), period, self._comm)
+        st["factored"] = want
+        return st
 
     # ------------------------------------------------------------ update
 

@@ -20,7 +20,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from . import _checkpoint
 from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
+from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, update_state_counts
+from ._comm import Comm
 from ._layout import check_param, check_plain_grads
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
@@ -241,6 +244,7 @@ class GefenMuonHybrid(Optimizer):
         self._routing = tuple(routing)
         self._owner: dict[torch.Tensor, Optimizer] = {}
         self._state_view = _HybridState(self)
+        self._comm = Comm()
         self._warned_capturable_if_run_uncaptured = True
 
     # ------------------------------------------------------------ views
@@ -334,6 +338,11 @@ class GefenMuonHybrid(Optimizer):
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss.
         """
+        if self.__dict__.get("_prepared"):
+            raise RuntimeError(
+                "gefen.dcp.prepare_load() allocated this optimizer's state for a checkpoint "
+                "that has not been loaded yet; load it before stepping"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -358,19 +367,25 @@ class GefenMuonHybrid(Optimizer):
             hook(self)
         state: dict[int, dict] = {}
         groups = []
-        index = 0
+        offset = 0
         for child in self._children:
-            for group in child.param_groups:
-                packed = {k: v for k, v in group.items() if k != "params"}
-                ids = []
-                for p in group["params"]:
-                    st = child.state.get(p)
-                    if st:
-                        state[index] = dict(st)
-                    ids.append(index)
-                    index += 1
-                packed["params"] = ids
-                groups.append(packed)
+            update_state_counts(child)
+            if isinstance(child, _QuantizedOptimizer):
+                csd = _checkpoint.state_dict(child)  # copies and digests
+            else:  # copies, so that an in-place loader (DCP) never writes into live state
+                csd = child.state_dict()
+                csd["state"] = {
+                    i: {k: (clone_state_tensor(v) if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items()}
+                    for i, st in csd["state"].items()
+                }
+            for i, st in csd["state"].items():
+                if st:
+                    state[offset + i] = st
+            for group in csd["param_groups"]:
+                group["params"] = [offset + i for i in group["params"]]
+                groups.append(group)
+            offset += sum(len(g["params"]) for g in child.param_groups)
         state_dict = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
@@ -393,11 +408,27 @@ class GefenMuonHybrid(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        halves = self._split(state_dict)
-        scratches = [_loaded_scratch(child, half) for child, half in zip(self._children, halves)]
-        for child, scratch in zip(self._children, scratches):
-            _adopt(child, scratch)
+        # every check of both halves first, one agreement for all ranks, then install
+        loaded, error = [], None
+        try:
+            halves = self._split(state_dict)
+            for child, half in zip(self._children, halves):
+                if isinstance(child, _QuantizedOptimizer):
+                    loaded.append(child._validate_load(half))
+                else:
+                    loaded.append(_loaded_scratch(child, half))
+        except Exception as exc:
+            error = exc
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._comm.agree(params, [f"hybrid|{len(params)}"], [0, 0, 0], error)
+        for child, done in zip(self._children, loaded):
+            if isinstance(child, _QuantizedOptimizer):
+                child._install_load(done)
+            else:
+                _adopt(child, done)
+                update_state_counts(child)
         self._owner = {}
+        self._prepared = False
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -457,6 +488,17 @@ class GefenMuonHybrid(Optimizer):
             if isinstance(st, dict) and not st:
                 continue  # an empty entry is "no state" (DCP creates them when it reads state)
             halves[owner_of_id[pid]]["state"][pid] = st
+        for ci, child in enumerate(self._children):
+            if isinstance(child, _QuantizedOptimizer):
+                continue  # the child checks its own count
+            ids = {pid for g in halves[ci]["param_groups"] for pid in g["params"]}
+            want = sum(g.get(STATE_COUNT) or 0 for g in halves[ci]["param_groups"])
+            got = sum(1 for pid in halves[ci]["state"] if pid in ids)
+            if want > got:
+                raise ValueError(
+                    f"the checkpoint holds {type(child).__name__} state for {want} parameter(s) "
+                    f"but {got} arrived -- the load dropped optimizer state; " + PREPARE_HINT
+                )
         return halves
 
 
@@ -550,7 +592,8 @@ def _groups(named, role: str, weight_decay, no_decay: tuple[str, ...]) -> list[d
     for entries, wd in ((decay, weight_decay), (plain, 0.0)):
         if entries:
             groups.append(
-                {"params": entries, "weight_decay": wd, "role": role, "gefen_hybrid": HYBRID_SCHEMA}
+                {"params": entries, "weight_decay": wd, "role": role, "gefen_hybrid": HYBRID_SCHEMA,
+                 STATE_COUNT: 0}
             )
     return groups
 

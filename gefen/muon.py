@@ -25,7 +25,7 @@ from ._ext import _C
 from ._items import MuonItem
 from ._layout import as_float, param_name
 from ._orthogonalize import orthogonalize
-from ._state import COMMON_KEYS, check_keys, check_tensor
+from ._state import COMMON_KEYS, StateError, check_keys, check_tensor
 from ._views import LOCAL, ParamView, local
 
 #: NorMuon's rescale in "approx" mode uses the local rows' own norms.
@@ -359,8 +359,16 @@ class GefenMuon(_QuantizedOptimizer):
             st["v"] = row_vector(view)
         return st
 
+    #: Options of the live optimizer a load keeps (the rest come from the checkpoint).
+    _LIVE_OPTIONS = ("sharded_mode",)
+
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
-        normuon = bool(group["normuon"])
+        normuon = "v" in st
+        if normuon != bool(group["normuon"]):  # the saved group's (restored with the load)
+            raise StateError(
+                f"parameter '{name}': the state {'has' if normuon else 'lacks'} NorMuon's row "
+                f"moment 'v' but its group says normuon={bool(group['normuon'])}"
+            )
         check_keys(st, name, set(COMMON_KEYS) | ({"v"} if normuon else set()))
         if normuon:
             check_tensor(st, "v", name, torch.float32, (p.shape[0],), moment=True)

@@ -414,3 +414,138 @@ def fsdp_rebind(rank, world, kind):
     except RuntimeError as exc:
         late = str(exc)
     return {"same": same, "late": late, "dtensors": all(isinstance(p, DTensor) for g in opt_a.param_groups for p in g["params"])}
+
+
+# ------------------------------------------------------------ checkpoints
+
+
+def _layout_model(layout: str, world: int, mesh_shape=None):
+    """The tiny GPT laid out as asked: "plain" (one process or replicas), "fsdp"
+    (Shard(0) per block and root), "hsdp" (a (2, world/2) mesh), "replicate" (every
+    parameter a Replicate() DTensor)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_module
+
+    model = _tiny_gpt()
+    if layout == "plain":
+        return model
+    if layout == "replicate":
+        mesh = make_mesh((world,))
+        return distribute_module(model, mesh)  # every parameter replicated
+    mesh = make_mesh(tuple(mesh_shape) if mesh_shape else ((2, world // 2) if layout == "hsdp" else (world,)))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ckpt_opt(kind: str, model, options: dict):
+    if kind == "gefen":
+        return gefen.Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.1, **options)
+    if kind == "muon":
+        return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer="gefen", normuon=False, **options)
+    if kind.startswith("hybrid"):
+        return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=kind.split("-")[1], **options)
+    raise ValueError(kind)
+
+
+class _App:
+    """Model and optimizer as one DCP Stateful (as a user writes it)."""
+
+    def __init__(self, model, opt, flatten: bool):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        self.model, self.opt = model, opt
+        self.options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        m, o = get_state_dict(self.model, self.opt, options=self.options)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                       options=self.options)
+
+
+def _train_steps(model, opt, start: int, n: int) -> None:
+    for step in range(start, start + n):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+
+
+def _full_state(opt) -> dict:
+    """Every state tensor gathered whole (a collective on DTensors), by (fqn, key)."""
+    out = {}
+    children = getattr(opt, "_children", (opt,))
+    for child in children:
+        for group in child.param_groups:
+            names = group.get("param_names") or [str(i) for i in range(len(group["params"]))]
+            for name, p in zip(names, group["params"]):
+                st = child.state.get(p, {})
+                for k, v in sorted(st.items()):
+                    if k in ("digest_rows", "digest"):
+                        continue
+                    out[(name, k)] = as_full(v).detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def dcp_save(rank, world, path, kind, layout, options, flatten=False, async_save=False, mesh_shape=None,
+             steps=3, more=2):
+    """Train ``steps`` on this topology, save with DCP, continue ``more`` steps (the
+    uninterrupted run). Rank 0 writes the saved global state and the final parameters
+    next to the checkpoint for the loading side."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _layout_model(layout, world, mesh_shape)
+    opt = _ckpt_opt(kind, model, options)
+    _train_steps(model, opt, 0, steps)
+    app = _App(model, opt, flatten)
+    if async_save:
+        dcp.async_save({"app": app}, checkpoint_id=path).result()
+    else:
+        dcp.save({"app": app}, checkpoint_id=path)
+    saved = _full_state(opt)
+    _train_steps(model, opt, steps, more)
+    final = [as_full(p).detach().cpu().clone() for p in model.parameters()]
+    if rank == 0:
+        torch.save({"saved": saved, "final": final}, path + ".ref")
+    return True
+
+
+def dcp_load(rank, world, path, kind, layout, options, flatten=False, mesh_shape=None, steps=3, more=2,
+             prepare=True):
+    """A fresh model and optimizer on this topology: prepare_load, dcp.load, compare the
+    loaded global state with the saved one, continue ``more`` steps, compare with the
+    uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+
+    import gefen.dcp
+
+    model = _layout_model(layout, world, mesh_shape)
+    opt = _ckpt_opt(kind, model, options)
+    if prepare:
+        gefen.dcp.prepare_load(opt, path)
+    try:
+        dcp.load({"app": _App(model, opt, flatten)}, checkpoint_id=path)
+    except Exception as exc:
+        return {"error": (type(exc).__name__, str(exc)), "state_empty": len(opt.state) == 0 or not any(opt.state.values())}
+    ref = torch.load(path + ".ref", weights_only=False)
+    loaded = _full_state(opt)
+    mismatch = [k for k in ref["saved"] if k not in loaded or not _same(ref["saved"][k], loaded[k])]
+    extra = [k for k in loaded if k not in ref["saved"]]
+    _train_steps(model, opt, steps, more)
+    final = [as_full(p).detach().cpu() for p in model.parameters()]
+    diff = max(float((a - b).abs().max()) for a, b in zip(final, ref["final"]))
+    return {"error": None, "state_mismatch": mismatch[:5], "n_mismatch": len(mismatch), "extra": extra[:5],
+            "final_diff": diff}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b

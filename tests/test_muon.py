@@ -354,7 +354,8 @@ def test_state_layout(normuon):
     assert group["gefen_kind"] == "gefen_muon" and isinstance(group["gefen_schema"], int)
     for p in params:
         st = opt.state[p]
-        expected = {"step", "global_step", "period", "codes", "magnitude", "codebook"}
+        expected = {"step", "global_step", "period", "codes", "magnitude", "codebook",
+                    "digest_rows", "digest"}
         assert set(st) == (expected | {"v"} if normuon else expected)
         assert isinstance(st["step"], int) and isinstance(st["period"], int) and st["step"] == 2
         assert st["global_step"] == 2

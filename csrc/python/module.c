@@ -235,6 +235,27 @@ done:
 
 /* exact_sum(values: float64 CPU tensor) -> float: the exact sum of finite
  * non-negative values rounded once (what the period search uses). */
+/* tensor_bytes(t) -> bytes: a copy of the memory of a contiguous CPU tensor
+ * (checkpoint digests hash state rows with the standard library's hashlib;
+ * torch offers no buffer view of a tensor without numpy). */
+static PyObject *py_tensor_bytes(PyObject *self, PyObject *arg) {
+  (void)self;
+  gefen_view_keep keep = {NULL};
+  gefen_view v;
+  PyObject *result = NULL;
+  if (gefen_view_get(arg, &v, &keep, "<tensor_bytes>", "the tensor") != 0) goto done;
+  if (v.device.device_type != kDLCPU || !v.contiguous || v.dtype.lanes != 1 ||
+      v.dtype.bits % 8) {
+    PyErr_SetString(PyExc_ValueError, "tensor_bytes needs a contiguous CPU tensor");
+    goto done;
+  }
+  result = PyBytes_FromStringAndSize((const char *)v.data,
+                                     (Py_ssize_t)(v.numel * (int64_t)(v.dtype.bits / 8)));
+done:
+  gefen_view_keep_release(&keep);
+  return result;
+}
+
 static PyObject *py_exact_sum(PyObject *self, PyObject *arg) {
   (void)self;
   gefen_view_keep keep = {NULL};
@@ -343,6 +364,8 @@ static PyMethodDef module_methods[] = {
      "phase-1 statistics (int64, PERIOD_STAT_WIDTH per candidate)"},
     {"period_choose", py_period_choose, METH_VARARGS,
      "period_choose(cols, numel, ndim, candidates, stats) -> period"},
+    {"tensor_bytes", py_tensor_bytes, METH_O,
+     "tensor_bytes(t) -> bytes: a copy of a contiguous CPU tensor's memory"},
     {"exact_sum", py_exact_sum, METH_O,
      "exact_sum(values) -> float: exact sum of finite non-negative float64 values, rounded once"},
     {"histogram", gefen_py_histogram, METH_VARARGS,

@@ -1,0 +1,300 @@
+"""Checkpoints of gefen optimizers with ``torch.distributed.checkpoint`` (DCP).
+
+The native flow works unchanged — ``get_state_dict`` / ``get_optimizer_state_dict``
+(plain or flattened), ``dcp.save`` / ``dcp.async_save``, ``dcp.load``,
+``set_state_dict`` — and reshards between any world sizes and layouts, because every
+state tensor lives on its parameter's global grid (DESIGN.md §1).
+
+One step is gefen's own: a *fresh* optimizer (no step taken) does not know the layout
+of the state in a checkpoint (its periods, its representation), and DCP loads only into
+state that already exists. :func:`prepare_load` reads the checkpoint's metadata and
+allocates that state, after which the plain DCP load applies::
+
+    opt = gefen.Gefen(model.named_parameters(), lr=3e-4)
+    gefen.dcp.prepare_load(opt, "ckpt/step1000")
+    dcp.load({"app": app_state}, checkpoint_id="ckpt/step1000")
+
+A load into an unprepared optimizer whose checkpoint holds state raises instead of
+silently restarting the moments; a prepared optimizer refuses to step until loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._base import _QuantizedOptimizer, block_state, row_vector
+from ._checkpoint import update_state_counts
+from ._layout import param_name, rows_cols
+from ._views import local, make_replicated, make_row_state, make_view
+
+__all__ = ["prepare_load", "checkpoint_entries"]
+
+#: The state fields whose presence tells a gefen parameter's saved layout.
+_GEFEN_FIELDS = ("codes", "magnitude", "vmean", "v_row", "v_col", "v", "codebook", "digest_rows",
+                 "digest", "step", "global_step", "period", "factored")
+_ADAMW_FIELDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a checkpoint: a tensor's global shape and dtype, or a non-tensor."""
+
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+
+    @property
+    def tensor(self) -> bool:
+        return self.shape is not None
+
+
+def checkpoint_entries(checkpoint) -> dict[str, Entry]:
+    """Every entry of a checkpoint by its dotted key, from a DCP checkpoint directory
+    (a path), a DCP ``StorageReader``, or a state dict in memory (nested or flattened,
+    as ``get_optimizer_state_dict`` returns it or ``torch.load`` reads it back)."""
+    if isinstance(checkpoint, Mapping):
+        out: dict[str, Entry] = {}
+        _flatten(checkpoint, "", out)
+        return out
+    if isinstance(checkpoint, (str, os.PathLike)):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(os.fspath(checkpoint))
+    else:
+        reader = checkpoint
+    if not hasattr(reader, "read_metadata"):
+        raise TypeError(
+            "prepare_load needs a checkpoint directory, a torch.distributed.checkpoint "
+            f"StorageReader or a state dict, got {type(checkpoint).__name__}"
+        )
+    metadata = reader.read_metadata()
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        size = getattr(md, "size", None)
+        if size is not None:
+            out[key] = Entry(tuple(size), md.properties.dtype)
+        else:
+            out[key] = Entry(None, None)
+    return out
+
+
+def _flatten(obj, prefix: str, out: dict) -> None:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    elif isinstance(obj, (list, tuple)) and not prefix.endswith("params."):
+        for i, v in enumerate(obj):
+            _flatten(v, f"{prefix}{i}.", out)
+    elif isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = Entry(tuple(obj.shape), obj.dtype)
+    else:
+        out[prefix[:-1]] = Entry(None, None)
+
+
+def _children(optimizer) -> list:
+    return list(getattr(optimizer, "_children", (optimizer,)))
+
+
+def _fqns(opt, model) -> list[list[str]]:
+    """Each group's parameters' checkpoint names: the model's fully qualified names (a
+    ``model`` given, or the names the optimizer was built with), else their indices."""
+    if model is not None:
+        by_param = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            by_param.setdefault(id(p), n)
+    out, index = [], 0
+    for gi, group in enumerate(opt.param_groups):
+        names = []
+        for i, p in enumerate(group["params"]):
+            if model is not None:
+                if id(p) not in by_param:
+                    raise ValueError(f"prepare_load: parameter {param_name(group, gi, i)} is not in the model")
+                names.append(by_param[id(p)])
+            elif group.get("param_names") is not None:
+                names.append(str(group["param_names"][i]))
+            else:
+                names.append(str(index))
+            index += 1
+        out.append(names)
+    return out
+
+
+def _find_prefix(entries: dict[str, Entry], names: list[str], probe: str) -> str | None:
+    """The prefix under which the checkpoint keeps this optimizer's ``state`` (e.g.
+    ``"app.optim."``): the one prefix for which ``<prefix>state.<name>.<probe>`` exists."""
+    prefixes = set()
+    for name in names:
+        suffix = f"state.{name}.{probe}"
+        for key in entries:
+            if key.endswith(suffix):
+                pre = key[: -len(suffix)]
+                if pre == "" or pre.endswith("."):
+                    prefixes.add(pre)
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"prepare_load: the checkpoint holds optimizer state under several prefixes "
+            f"{sorted(prefixes)}; pass prefix= to choose one"
+        )
+    return prefixes.pop() if prefixes else None
+
+
+def _fields(entries: dict[str, Entry], prefix: str, name: str, fields) -> dict[str, Entry]:
+    return {f: entries[k] for f in fields if (k := f"{prefix}state.{name}.{f}") in entries}
+
+
+def _foreign(entries: dict[str, Entry], prefix: str, names: set[str], probe: str) -> list[str]:
+    """Parameters the checkpoint holds state for under ``prefix`` that are not ours."""
+    head = f"{prefix}state."
+    out = []
+    for key in entries:
+        if key.startswith(head) and key.endswith("." + probe):
+            name = key[len(head) : -len(probe) - 1]
+            if name not in names:
+                out.append(name)
+    return out
+
+
+def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
+                 prefix: str | None = None) -> None:
+    """Allocate in ``optimizer`` the state that ``checkpoint`` holds, laid out as saved
+    (periods, block or factored form, NorMuon's row moment, AdamW's moments), so that
+    ``dcp.load`` / ``set_state_dict`` / ``set_optimizer_state_dict`` (flattened too)
+    restore it exactly, on any number of ranks.
+
+    Args:
+        optimizer: a :class:`gefen.Gefen`, :class:`gefen.GefenMuon`,
+            :class:`gefen.GefenMuonHybrid` (both backups) or ``torch.optim.AdamW``.
+        checkpoint: a DCP checkpoint directory, a DCP ``StorageReader``, or a state dict
+            in memory (as ``get_optimizer_state_dict`` returns it, flattened or not).
+            Only metadata (names, global shapes, dtypes) is read.
+        model: the model whose fully qualified names key the checkpoint; needed only when
+            the optimizer was built without names (from ``model.parameters()``).
+        prefix: where the optimizer's ``state`` sits in the checkpoint (e.g.
+            ``"app.optim."``); found automatically unless ambiguous.
+
+    Raises ``ValueError`` for a checkpoint of another model (unknown names, other
+    shapes) or of another optimizer, before anything changes. The optimizer then
+    refuses to step until the load has happened. A no-op for parameters without state
+    in the checkpoint, and for an optimizer whose state already has the saved layout.
+    """
+    entries = checkpoint_entries(checkpoint)
+    plans = []
+    children = _children(optimizer)
+    all_names = {n for child in children for ns in _fqns(child, model) for n in ns}
+    for child in children:
+        gefen_kind = isinstance(child, _QuantizedOptimizer)
+        probe = "codes" if gefen_kind else "exp_avg"
+        names = _fqns(child, model)
+        flat_names = [n for ns in names for n in ns]
+        pre = prefix if prefix is not None else _find_prefix(entries, flat_names, probe)
+        if pre is None:
+            continue  # the checkpoint holds no state for this optimizer
+        foreign = _foreign(entries, pre, all_names, probe)
+        if foreign:
+            raise ValueError(
+                f"prepare_load: the checkpoint holds optimizer state for parameters this "
+                f"optimizer does not have: {sorted(foreign)[:5]} (a checkpoint of another model?)"
+            )
+        for gi, group in enumerate(child.param_groups):
+            for i, (p, name) in enumerate(zip(group["params"], names[gi])):
+                fields = _fields(entries, pre, name, _GEFEN_FIELDS if gefen_kind else _ADAMW_FIELDS)
+                if not fields:
+                    continue
+                view = make_view(p, param_name(group, gi, i), group, gi, i)
+                if gefen_kind:
+                    plans.append((child, view, _gefen_layout(child, view, fields)))
+                else:
+                    plans.append((child, view, _adamw_layout(view, fields)))
+    for child, view, layout in plans:  # everything checked: allocate
+        if layout is not None:
+            child.state[view.key] = layout()
+    for child in _children(optimizer):
+        if any(c is child for c, _, _ in plans):
+            child._prepared = True
+            update_state_counts(child)
+    if any(not isinstance(c, _QuantizedOptimizer) for c, _, _ in plans) and hasattr(optimizer, "_children"):
+        optimizer._prepared = True
+
+
+def _shape_error(view, key: str, got, want) -> ValueError:
+    return ValueError(
+        f"prepare_load: parameter '{view.name}': the checkpoint's state '{key}' has shape "
+        f"{tuple(got)} but the parameter gives {tuple(want)} (a checkpoint of another model?)"
+    )
+
+
+def _gefen_layout(opt, view, fields: dict[str, Entry]):
+    """The saved layout of one gefen parameter (checked), as a function that allocates
+    it; None when the live state already has it."""
+    for key in ("codes", "magnitude"):
+        if key not in fields or not fields[key].tensor:
+            raise ValueError(
+                f"prepare_load: parameter '{view.name}': the checkpoint's state has no tensor "
+                f"'{key}' (not a gefen {opt.KIND} checkpoint?)"
+            )
+    if fields["codes"].shape != tuple(view.shape):
+        raise _shape_error(view, "codes", fields["codes"].shape, view.shape)
+    rows, cols = rows_cols(view.shape)
+    mshape = fields["magnitude"].shape
+    if len(mshape) != 2 or mshape[0] != rows or mshape[1] < 1 or cols % mshape[1]:
+        raise _shape_error(view, "magnitude", mshape, (rows, "S/P"))
+    period = cols // mshape[1]
+    factored = "v_row" in fields
+    kind_ok = ("vmean" in fields or factored) if opt.KIND == "gefen" else ("vmean" not in fields and not factored)
+    if not kind_ok:
+        raise ValueError(
+            f"prepare_load: parameter '{view.name}': the checkpoint's state is not a "
+            f"{opt.KIND} state (fields {sorted(fields)})"
+        )
+    normuon = "v" in fields
+    live = opt.state.get(view.key)
+    if live:
+        same = (int(live["period"]) == period and ("v_row" in live) == factored and ("v" in live) == normuon)
+        if same:
+            return None
+        raise ValueError(
+            f"prepare_load: parameter '{view.name}' already has state of another layout; "
+            "prepare_load is for an optimizer that has not been stepped"
+        )
+
+    def allocate() -> dict:
+        st = block_state(view, period)
+        dev = view.param.device
+        if opt.KIND == "gefen":
+            st["factored"] = int(factored)
+            if factored:
+                st["v_row"] = row_vector(view)
+                st["v_col"] = make_replicated(view, torch.zeros(cols, dtype=torch.float32, device=dev))
+            else:
+                mag = st["magnitude"]
+                st["vmean"] = make_row_state(view, torch.zeros_like(local(mag)), mag.shape)
+        if normuon:
+            st["v"] = row_vector(view)
+        st["codebook"] = make_replicated(view, torch.zeros(256, dtype=torch.float32, device=dev))
+        return st
+
+    return allocate
+
+
+def _adamw_layout(view, fields: dict[str, Entry]):
+    """AdamW's saved state of one parameter, as a function that allocates it."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in fields and fields[key].shape != tuple(view.shape):
+            raise _shape_error(view, key, fields[key].shape, view.shape)
+
+    def allocate() -> dict:
+        st: dict[str, Any] = {}
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in fields:
+                st[key] = torch.zeros_like(view.key, memory_format=torch.preserve_format).detach()
+        if "step" in fields:
+            e = fields["step"]
+            st["step"] = torch.zeros(e.shape or (), dtype=e.dtype or torch.float32) if e.tensor else 0
+        return st
+
+    return allocate
+
