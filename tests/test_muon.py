@@ -235,28 +235,30 @@ def test_signature_and_defaults_are_torch_muons():
 # ------------------------------------------------------------- validation
 
 BAD_HPARAMS = [
-    dict(lr=-1.0),
-    dict(weight_decay=-0.1),
-    dict(momentum=1.0),
-    dict(momentum=-0.1),
-    dict(eps=0.0),
-    dict(ns_steps=0),
-    dict(ns_steps=100),
-    dict(ns_coefficients=(1.0, 2.0)),
-    dict(adjust_lr_fn="bogus"),
-    dict(ns_schedule="tuned5"),
-    dict(ns_schedule=[]),
-    dict(ns_schedule=[(1.0, 2.0, float("nan"))]),
-    dict(normuon_beta2=1.0),
-    dict(normuon_eps=-1.0),
-    dict(sharded_mode="sometimes"),
-    dict(nesterov="yes"),
+    (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (dict(momentum=1.0), r"Invalid momentum value: 1.0 \(must lie in \[0, 1\)\)"),
+    (dict(momentum=-0.1), r"Invalid momentum value: -0.1"),
+    (dict(eps=0.0), r"Invalid eps: 0.0 \(must be finite and > 0\)"),
+    (dict(ns_steps=0), r"ns_steps must be an int in \[1, 100\), got 0"),
+    (dict(ns_steps=100), r"ns_steps must be an int in \[1, 100\), got 100"),
+    (dict(ns_coefficients=(1.0, 2.0)), r"ns_coefficients must be three finite floats"),
+    (dict(adjust_lr_fn="bogus"), r"adjust_lr_fn must be one of .*got 'bogus'"),
+    (dict(ns_schedule="tuned5"), r"ns_schedule must be .*got 'tuned5'"),
+    (dict(ns_schedule=[]), r"an explicit ns_schedule must be a list of 1 to 99"),
+    (dict(ns_schedule=[(1.0, 2.0, float("nan"))]), r"ns_schedule\[0\] must be three finite floats"),
+    (dict(normuon_beta2=1.0), r"Invalid normuon_beta2 value: 1.0"),
+    (dict(normuon_eps=-1.0), r"Invalid normuon_eps: -1.0"),
+    (dict(sharded_mode="sometimes"), r"sharded_mode must be one of .*got 'sometimes'"),
+    (dict(nesterov="yes"), r"nesterov must be a bool, got 'yes'"),
 ]
 
 
-@pytest.mark.parametrize("kw", BAD_HPARAMS, ids=[next(iter(k)) + str(i) for i, k in enumerate(BAD_HPARAMS)])
-def test_invalid_hyperparameters(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "kw, match", BAD_HPARAMS, ids=[next(iter(k)) + str(i) for i, (k, _) in enumerate(BAD_HPARAMS)]
+)
+def test_invalid_hyperparameters(kw, match):
+    with pytest.raises(ValueError, match=match):
         gefen.GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], **kw)
 
 
@@ -319,16 +321,19 @@ def test_core_precheck_rejects_bad_items_without_writing():
     good = ("w", g, codes, mag, out, 6, 0.9, True)
     _C.muon_validate([good])
     bad_items = [
-        ("w", g, codes, mag, out, 4, 0.9, True),  # period does not divide 6
-        ("w", g, codes, mag, torch.zeros(4, 5, dtype=torch.bfloat16), 6, 0.9, True),
-        ("w", g, codes, mag, torch.zeros(4, 6, dtype=torch.float16), 6, 0.9, True),
-        ("w", g, codes, mag, out, 6, 1.0, True),  # momentum must be < 1
-        ("w", g, codes, torch.ones(4, 2), out, 6, 0.9, True),
+        (("w", g, codes, mag, out, 4, 0.9, True), ValueError, "'w': period 4 does not divide 6"),
+        (("w", g, codes, mag, torch.zeros(4, 5, dtype=torch.bfloat16), 6, 0.9, True), ValueError,
+         "'w': the momentum output has 20 elements, expected 24"),
+        (("w", g, codes, mag, torch.zeros(4, 6, dtype=torch.float16), 6, 0.9, True), TypeError,
+         "'w': the momentum output must be float32 or bfloat16"),
+        (("w", g, codes, mag, out, 6, 1.0, True), ValueError, r"'w': momentum 1 must lie in \[0, 1\)"),
+        (("w", g, codes, torch.ones(4, 2), out, 6, 0.9, True), ValueError,
+         "'w': state 'magnitude' has 8 elements, expected 4"),
     ]
-    for bad in bad_items:
-        with pytest.raises((ValueError, TypeError)):
+    for bad, exc, match in bad_items:
+        with pytest.raises(exc, match=match):
             _C.muon_validate([good, bad])
-        with pytest.raises((ValueError, TypeError)):
+        with pytest.raises(exc, match=match):
             _C.muon_momentum([good, bad], q)
     assert bool((codes == 7).all()) and bool((mag == 1).all()) and not bool(out.any())
 
@@ -445,25 +450,33 @@ def _corrupt(sd, fn):
 
 
 CORRUPTIONS = {
-    "gefen_kind": lambda sd: sd["param_groups"][0].update(gefen_kind="gefen"),
-    "missing_v": lambda sd: sd["state"][1].pop("v"),
-    "negative_v": lambda sd: sd["state"][1].update(v=-sd["state"][1]["v"]),
-    "codes_dtype": lambda sd: sd["state"][0].update(codes=sd["state"][0]["codes"].int()),
-    "magnitude_shape": lambda sd: sd["state"][0].update(magnitude=torch.zeros(1, 1)),
-    "bad_schedule": lambda sd: sd["param_groups"][0].update(ns_schedule="tuned9"),
-    "unknown_key": lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(1)),
+    # name: (corruption, the message load_state_dict must raise)
+    "gefen_kind": (lambda sd: sd["param_groups"][0].update(gefen_kind="gefen"),
+                   "optimizer kind 'gefen', not 'gefen_muon'"),
+    "missing_v": (lambda sd: sd["state"][1].pop("v"), r"'param_groups\[0\]\[1\]'.*missing \['v'\]"),
+    "negative_v": (lambda sd: sd["state"][1].update(v=-sd["state"][1]["v"]),
+                   r"'param_groups\[0\]\[1\]'.*'v' holds negative values"),
+    "codes_dtype": (lambda sd: sd["state"][0].update(codes=sd["state"][0]["codes"].int()),
+                    r"'param_groups\[0\]\[0\]'.*'codes' has dtype torch.int32, expected torch.uint8"),
+    "magnitude_shape": (lambda sd: sd["state"][0].update(magnitude=torch.zeros(1, 1)),
+                        r"'param_groups\[0\]\[0\]'.*'magnitude' has shape \(1, 1\), expected \(6, 1\)"),
+    "bad_schedule": (lambda sd: sd["param_groups"][0].update(ns_schedule="tuned9"),
+                     "ns_schedule must be .*got 'tuned9'"),
+    "unknown_key": (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(1)),
+                    r"'param_groups\[0\]\[0\]'.*unknown keys \['momentum_buffer'\]"),
 }
 
 
 @pytest.mark.parametrize("what", list(CORRUPTIONS))
 def test_bad_state_dict_leaves_optimizer_untouched(what):
+    corrupt, match = CORRUPTIONS[what]
     opt, params, _ = _trained(normuon=True, steps=1)
     good = opt.state_dict()
     other, oparams, _ = _trained(normuon=True, steps=2)
     snap = _snapshot(other, oparams)
     groups_before = [dict(g) for g in other.param_groups]
-    with pytest.raises(ValueError):
-        other.load_state_dict(_corrupt(good, CORRUPTIONS[what]))
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(_corrupt(good, corrupt))
     _assert_unchanged(other, oparams, snap)
     assert [dict(g) for g in other.param_groups] == groups_before
 
