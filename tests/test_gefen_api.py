@@ -82,7 +82,7 @@ def test_constructor_rejects_bad_hyperparameters(kwargs, exc, match):
 def test_constructor_rejects_bad_params():
     with pytest.raises(ValueError, match="empty parameter list"):
         gefen.Gefen([])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
         gefen.Gefen(torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(TypeError, match="Tensor"):
         gefen.Gefen([1.0, 2.0])
@@ -188,26 +188,56 @@ def test_zero_grad_zero_lr_step_learns_nothing():
     assert all(st["step"] == 1 and st["global_step"] == 1 for st in opt.state.values())
 
 
-def test_grad_scaler_inf_step_leaves_everything_untouched():
-    model = _model()
-    opt = gefen.Gefen(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    x, y = _batch(0)
-    for _ in range(2):
+def _gefen_internals(opt):
+    """gefen's own bookkeeping outside the state dict's tensors."""
+    cb = opt._codebook
+    return (None if cb is None else cb.clone()), opt._global_step, opt._quantizer
+
+
+@pytest.mark.parametrize("inf_at", [0, 2], ids=["first_step", "third_step"])
+def test_grad_scaler_inf_step_leaves_everything_untouched(inf_at):
+    """A GradScaler step with an inf gradient leaves the parameters, every state tensor,
+    the shared codebook, the quantiser and the global step as they were (on the first step
+    too: no codebook is learned from it), and the training that follows is bit for bit the
+    training without that step (the unscaled gradients are exact: scales are powers of 2)."""
+    steps = 5
+    model = _model(2)
+    ref_model = copy.deepcopy(model)
+    opt = gefen.Gefen(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = gefen.Gefen(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for i in range(steps):
+        x, y = _batch(i)
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == inf_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)  # the usual place for gradient clipping
+        params, state = _snapshot(model, opt)
+        internals = _gefen_internals(opt)
+        scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
-    params, state = _snapshot(model, opt)
-    opt.zero_grad()
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    model[0].weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    for p, q in zip(model.parameters(), params):
-        assert torch.equal(p.detach(), q)
-    _assert_same_state(opt.state_dict(), state)
-    assert scaler.get_scale() == 512.0
+        if i == inf_at:
+            for p, q in zip(model.parameters(), params):
+                assert torch.equal(p.detach(), q)
+            _assert_same_state(opt.state_dict(), state)
+            codebook, global_step, quantizer = _gefen_internals(opt)
+            assert global_step == internals[1] == i
+            assert quantizer is internals[2]
+            assert (codebook is None) == (internals[0] is None) == (i == 0)
+            assert codebook is None or torch.equal(codebook, internals[0])
+            assert scaler.get_scale() == scale / 2
+            continue
+        # the reference never sees the skipped step
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        ref.step()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+        _assert_same_state(opt.state_dict(), ref.state_dict())
+    assert opt._global_step == ref._global_step == steps - 1
+    assert torch.equal(opt._codebook, ref._codebook)
 
 
 def test_weight_decay_is_decoupled():
@@ -384,9 +414,6 @@ def test_state_dict_survives_torch_save(tmp_path):
 def _corruptions():
     def first(sd):
         return sd["state"][0]
-
-    def mutate(fn):
-        return fn
 
     yield "schema", lambda sd: sd["param_groups"][0].update(gefen_schema=99), "schema version"
     yield "kind", lambda sd: sd["param_groups"][0].update(gefen_kind="adamw"), "optimizer kind"
