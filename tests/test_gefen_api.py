@@ -6,6 +6,11 @@ import math
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 import gefen
 
@@ -90,6 +95,18 @@ def test_constructor_rejects_bad_params():
         gefen.Gefen([("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))])
     with pytest.raises(ValueError, match="floating-point"):
         gefen.Gefen([torch.zeros(3, dtype=torch.int64)])
+
+
+@pytest.mark.parametrize("option", ["foreach", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("make", [
+    lambda **kw: gefen.Gefen([torch.nn.Parameter(torch.zeros(3))], **kw),
+    lambda **kw: gefen.GefenMuon([torch.nn.Parameter(torch.zeros(3, 3))], **kw),
+    lambda **kw: gefen.GefenMuonHybrid(torch.nn.Linear(3, 3), lr=1e-3, **kw),
+], ids=["Gefen", "GefenMuon", "GefenMuonHybrid"])
+def test_torch_optim_options_without_meaning_here_are_not_accepted(make, option):
+    for value in (True, False):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
+            make(**{option: value})
 
 
 def test_named_parameters_and_groups():
@@ -468,6 +485,39 @@ def test_corrupt_state_dict_is_rejected_and_nothing_changes(name, corrupt, match
     # the optimizer still works and still loads a good state dict
     opt.load_state_dict(good)
     _train(model, opt, 1, start=2)
+
+
+def _matrix_model(seed):
+    """Bias-free: every parameter is 2-D, so GefenMuon can take the whole model."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32, bias=False), torch.nn.GELU(),
+                               torch.nn.Linear(32, 3, bias=False))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon], ids=["Gefen", "GefenMuon"])
+def test_dcp_state_dict_helpers_on_one_process(cls, flatten):
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict on a plain Gefen or
+    GefenMuon (the hybrid's are in test_hybrid.py): the loaded copy continues bitwise."""
+    assert not torch.distributed.is_initialized()
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = _matrix_model(5)
+    opt = cls(model.parameters(), lr=5e-3, weight_decay=0.1)
+    _train(model, opt, 2)
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    assert ("state.0.weight.codes" in osd) if flatten else ("0.weight" in osd["state"])
+    twin = _matrix_model(6)
+    twin_opt = cls(twin.parameters(), lr=1.0)
+    if flatten:  # a flattened load restores only keys the live optimizer has (DESIGN.md §5)
+        _train(twin, twin_opt, 1, start=10)
+    twin.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(twin, twin_opt, osd, options=options)
+    assert twin_opt.param_groups[0]["lr"] == 5e-3 and twin_opt._global_step == 2
+    _train(model, opt, 2, start=2)
+    _train(twin, twin_opt, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(opt.state_dict(), twin_opt.state_dict())
 
 
 def test_load_into_fresh_optimizer_then_step():

@@ -145,7 +145,7 @@ def test_matches_oracle_several_parameters_with_codebook_refresh():
     assert any(opt.state[p]["period"] < p.shape[1] for p in pa), "no sub-row period exercised"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_matches_oracle_other_dtypes(dtype):
     opt, oracle, pa, pb = _run_against_oracle([(16, 40), (40, 16)], dtype=dtype)
     for p, q in zip(pa, pb):
@@ -405,6 +405,70 @@ def test_sharded_modes_are_the_same_on_one_process():
         results.append([p.detach().clone() for p in params])
     for other in results[1:]:
         assert all(torch.equal(x, y) for x, y in zip(results[0], other))
+
+
+def test_closure_is_evaluated_and_its_loss_returned():
+    p = torch.nn.Parameter(torch.randn(6, 6))
+    opt = gefen.GefenMuon([p], lr=LR)
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        p.grad = torch.ones(6, 6)
+        return torch.tensor(3.0)
+
+    before = p.detach().clone()
+    assert opt.step(closure).item() == 3.0
+    assert calls == [True]  # under enable_grad, as torch.optim does
+    assert opt.state[p]["step"] == 1 and not torch.equal(p.detach(), before)
+
+
+def _muon_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4, bias=False))
+
+
+def _muon_batch(i):
+    gen = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(32, 6, generator=gen)
+    return x, torch.sin(x[:, :4])
+
+
+@pytest.mark.parametrize("inf_at", [0, 2], ids=["first_step", "third_step"])
+def test_grad_scaler_inf_step_leaves_everything_untouched(inf_at):
+    """An inf step under GradScaler changes no parameter, state tensor, codebook or global
+    step (no codebook is learned from it), and the steps after it are bitwise those of a
+    run that never saw it (power-of-2 scales unscale exactly)."""
+    model = _muon_model()
+    ref_model = _muon_model()
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    opt = gefen.GefenMuon(params, lr=LR, normuon=True)
+    ref = gefen.GefenMuon(ref_params, lr=LR, normuon=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for i in range(5):
+        x, y = _muon_batch(i)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == inf_at:
+            params[1].grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        snap = _snapshot(opt, params)
+        codebook = None if opt._codebook is None else opt._codebook.clone()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if i == inf_at:
+            _assert_unchanged(opt, params, snap)  # parameters, state, global step
+            assert (opt._codebook is None) == (codebook is None) == (i == 0)
+            assert codebook is None or torch.equal(opt._codebook, codebook)
+            assert scaler.get_scale() == scale / 2
+            continue
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        ref.step()
+        _assert_unchanged(opt, params, _snapshot(ref, ref_params))
+    assert opt._global_step == ref._global_step == 4
 
 
 def test_lr_scheduler_and_tensor_lr():
