@@ -413,6 +413,22 @@ def test_state_dict_round_trip_continues_identically(backup):
     assert _params_equal(a, b)
 
 
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_deepcopy_and_pickle_keep_training_identically(backup):
+    import pickle
+
+    model = _model()
+    opt = gefen.GefenMuonHybrid(model, lr=LR, backup_optimizer=backup)
+    _train(model, opt, torch.Generator().manual_seed(0), 2)
+    twin_model, twin = copy.deepcopy((model, opt))  # one memo: the copy steps the copied model
+    restored = pickle.loads(pickle.dumps(opt))
+    assert [g["lr"] for g in restored.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert restored.muon._global_step == 2
+    _train(model, opt, torch.Generator().manual_seed(4), 2)
+    _train(twin_model, twin, torch.Generator().manual_seed(4), 2)
+    assert _params_equal(model, twin_model)
+
+
 def _bad(sd, fn):
     sd = copy.deepcopy(sd)
     fn(sd)

@@ -407,6 +407,25 @@ def test_sharded_modes_are_the_same_on_one_process():
         assert all(torch.equal(x, y) for x, y in zip(results[0], other))
 
 
+def test_results_do_not_depend_on_the_thread_count():
+    outs = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(300, 257), (40, 600)]]
+            opt = gefen.GefenMuon(params, lr=LR, normuon=True)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            outs.append([p.detach().clone() for p in params] + [opt.state[p]["codes"] for p in params])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_closure_is_evaluated_and_its_loss_returned():
     p = torch.nn.Parameter(torch.randn(6, 6))
     opt = gefen.GefenMuon([p], lr=LR)
@@ -502,6 +521,26 @@ def test_state_dict_round_trip_continues_identically(normuon):
     for p, q in zip(params, clones):
         assert torch.equal(p.detach(), q.detach())
         assert torch.equal(opt.state[p]["codes"], other.state[q]["codes"])
+
+
+def test_deepcopy_and_pickle_keep_training_identically():
+    import copy
+    import pickle
+
+    opt, params, gen = _trained(normuon=True, steps=2, codebook_refresh_every=2)
+    twin_params, twin = copy.deepcopy((params, opt))  # one memo: the copy steps the copies
+    restored = pickle.loads(pickle.dumps(opt))
+    assert restored._global_step == 2 and torch.equal(restored._codebook, opt._codebook)
+    assert twin.param_groups[0]["params"][0] is twin_params[0]
+    for _ in range(3):  # crosses a codebook refresh
+        for p, q in zip(params, twin_params):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(opt.state[p]["codes"], twin.state[q]["codes"])
 
 
 def _corrupt(sd, fn):
