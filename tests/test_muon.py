@@ -504,6 +504,19 @@ def test_lr_scheduler_and_tensor_lr():
 # ------------------------------------------------------------- checkpoints
 
 
+def _assert_twins_train_identically(opt, params, twin, twin_params, gen, steps):
+    """Both optimizers step on the same gradients; parameters and codes stay bitwise equal."""
+    for _ in range(steps):
+        for p, q in zip(params, twin_params):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(opt.state[p]["codes"], twin.state[q]["codes"])
+
+
 @pytest.mark.parametrize("normuon", [False, True])
 def test_state_dict_round_trip_continues_identically(normuon):
     opt, params, gen = _trained(normuon=normuon, steps=2)
@@ -512,15 +525,7 @@ def test_state_dict_round_trip_continues_identically(normuon):
     other = gefen.GefenMuon(clones, lr=1.0)  # hyper-parameters come from the state dict
     other.load_state_dict(sd)
     assert other.param_groups[0]["lr"] == LR and other.param_groups[0]["normuon"] == normuon
-    for _ in range(2):
-        for p, q in zip(params, clones):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        other.step()
-    for p, q in zip(params, clones):
-        assert torch.equal(p.detach(), q.detach())
-        assert torch.equal(opt.state[p]["codes"], other.state[q]["codes"])
+    _assert_twins_train_identically(opt, params, other, clones, gen, steps=2)
 
 
 def test_deepcopy_and_pickle_keep_training_identically():
@@ -532,15 +537,7 @@ def test_deepcopy_and_pickle_keep_training_identically():
     restored = pickle.loads(pickle.dumps(opt))
     assert restored._global_step == 2 and torch.equal(restored._codebook, opt._codebook)
     assert twin.param_groups[0]["params"][0] is twin_params[0]
-    for _ in range(3):  # crosses a codebook refresh
-        for p, q in zip(params, twin_params):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        twin.step()
-    for p, q in zip(params, twin_params):
-        assert torch.equal(p.detach(), q.detach())
-        assert torch.equal(opt.state[p]["codes"], twin.state[q]["codes"])
+    _assert_twins_train_identically(opt, params, twin, twin_params, gen, steps=3)  # crosses a refresh
 
 
 def _corrupt(sd, fn):
