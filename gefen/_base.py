@@ -1,42 +1,58 @@
 """What every gefen optimizer shares: the one codebook, first-step learning, the
-zero-gradient rule, and fail-before-mutation ``load_state_dict``.
+zero-gradient rule, the step's agreement across ranks, and fail-before-mutation
+``load_state_dict``.
 
-Subclasses say which state a parameter has (``_new_state``, ``_check_state``) and run the
-update itself (``_update``).
+A step is *prepare* (every check, the agreement collective, first-step learning, the C
+plans: nothing is mutated) then *apply* (the kernels, then the new state is installed).
+Subclasses say which state a parameter has (``_new_state``, ``_check_state``) and run
+the update itself (``_prepare_update``, ``_run_update``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from ._comm import FLAG_ANY_GRAD, FLAG_ANY_LR, Comm
 from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
-from ._layout import SCHEMA_VERSION, Slot, check_param, collect_slots, param_name, rows_cols
-from ._learning import Reducer, choose_period, learn_codebook
+from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
+from ._learning import choose_periods, learn_codebook
 from ._state import StateError, check_common_state
+from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view
 
 
 @dataclass
 class StepPlan:
     """A validated step that has not mutated anything yet (see ``_prepare_step``)."""
 
-    slots: list[Slot]
-    pending: dict  # parameter -> new state, installed only after the update
-    new_codebook: torch.Tensor | None
-    quantizer: Any
+    views: list[ParamView]  # every parameter stepped (it has a gradient)
+    params: list[torch.Tensor]  # every parameter of the optimizer (decides the group)
+    lrs: dict[int, float]  # id(group) -> the group's lr, read once this step
+    pending: dict = field(default_factory=dict)  # key -> new state, installed after the update
+    new_codebook: torch.Tensor | None = None
+    quantizer: Any = None
+    new_codes: dict = field(default_factory=dict)  # key -> codes re-expressed in the new codebook
     payload: Any = None  # the kind's prepared kernel inputs
 
-    def state_of(self, opt: "_QuantizedOptimizer", p: torch.Tensor) -> dict:
+    def state_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> dict:
         """The state a parameter is stepped with (new or existing)."""
-        st = self.pending.get(p)
-        return st if st is not None else opt.state[p]
+        st = self.pending.get(key)
+        return st if st is not None else opt.state[key]
+
+    def codes_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> torch.Tensor:
+        """The local codes the update writes (a re-expressed copy on refresh steps)."""
+        codes = self.new_codes.get(key)
+        return codes if codes is not None else local(self.state_of(opt, key)["codes"])
+
+    def lr(self, group: dict) -> float:
+        return self.lrs[id(group)]
 
 
 class _QuantizedOptimizer(Optimizer):
@@ -58,8 +74,11 @@ class _QuantizedOptimizer(Optimizer):
         defaults = dict(defaults, gefen_schema=SCHEMA_VERSION, gefen_kind=self.KIND)
         self.codebook_refresh_every = codebook_refresh_every
         self._codebook: torch.Tensor | None = None
+        self._codebook_copies: dict = {}
         self._quantizer = None
         self._global_step = 0
+        self._comm = Comm()
+        self._header_cache: dict = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------ groups
@@ -76,12 +95,35 @@ class _QuantizedOptimizer(Optimizer):
             self._check_group(group)
             for i, p in enumerate(group["params"]):
                 check_param(p, param_name(group, gi, i))
+                layout_of(p, param_name(group, gi, i))  # unsupported placements raise now
         except Exception:
             self.param_groups.pop()
             raise
+        self.__dict__.setdefault("_header_cache", {}).clear()
 
     def _check_group(self, group: dict) -> None:
         """Raise for an invalid hyper-parameter of ``group`` (subclasses extend)."""
+
+    @property
+    def comm_stats(self):
+        """Collectives this optimizer issued: ``collectives``/``bytes`` of the last step
+        and running totals (all zero for an optimizer of plain tensors)."""
+        return self._comm.stats
+
+    # ------------------------------------------------------------ rebinding
+
+    def rebind(self, model: torch.nn.Module) -> None:
+        """Point the optimizer at ``model``'s current parameters, matched by fully
+        qualified name: for an optimizer built from ``model.named_parameters()`` before
+        ``fully_shard(model)`` replaced them with DTensors.
+
+        Only before the first step (and before any state is loaded). Every name must
+        exist in the model with the same global shape; on any error nothing changes.
+        """
+        new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
+        install_rebind(self, new_params)
+        self._header_cache = {}
+        self._codebook_copies = {}
 
     # ------------------------------------------------------------ helpers
 
@@ -89,61 +131,122 @@ class _QuantizedOptimizer(Optimizer):
     def _nthreads() -> int:
         return torch.get_num_threads()
 
-    def _reducer(self, slots: list[Slot]) -> Reducer | None:
-        """How phase-1 buffers are summed over ranks (None: one process)."""
-        return None
+    def _views(self) -> list[ParamView]:
+        """A view of every parameter with at least one element (global), in group order."""
+        views = []
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.numel() == 0:
+                    continue  # nothing to update, no state
+                views.append(make_view(p, param_name(group, gi, i), group, gi, i))
+        return views
+
+    def _header(self, lrs: dict[int, float]) -> list[str]:
+        """What every rank must agree on before acting (DESIGN.md §4): the parameter
+        list (names, global shapes, dtypes, placements), each group's hyper-parameters,
+        which parameters have gradients and state, the codebook and the global step."""
+        cache = self.__dict__.setdefault("_header_cache", {})
+        out = [f"{self.KIND}|global_step={self._global_step}|codebook={self._codebook is not None}"]
+        for gi, group in enumerate(self.param_groups):
+            out.append(f"group{gi}|lr={lrs.get(id(group))!r}|{self._group_header(group)}")
+            for i, p in enumerate(group["params"]):
+                static = cache.get(p)
+                if static is None:
+                    layout = "local"
+                    if hasattr(p, "device_mesh"):
+                        layout = f"{tuple(p.device_mesh.mesh.shape)}{p.device_mesh.mesh.flatten().tolist()}{tuple(p.placements)}"
+                    static = cache[p] = (
+                        f"{param_name(group, gi, i)}|{tuple(p.shape)}|{p.dtype}|{layout}"
+                    )
+                out.append(f"{static}|grad={p.grad is not None}|state={bool(self.state.get(p))}")
+        return out
+
+    def _group_header(self, group: dict) -> str:
+        """The hyper-parameters of a group that every rank must share (lr aside)."""
+        return "|".join(
+            f"{k}={v!r}" for k, v in sorted(group.items()) if k not in ("params", "param_names", "lr")
+        )
+
+    def _read_lrs(self) -> dict[int, float]:
+        """Each group's learning rate as a float: one read (one host sync for a tensor
+        lr) per group per step."""
+        return {id(g): as_float(g["lr"], "lr") for g in self.param_groups}
+
+    def _codebook_on(self, view: ParamView) -> torch.Tensor:
+        """The replicated copy of the codebook that lives with ``view``'s state: on the
+        parameter's device and, for a DTensor, replicated on its mesh. One tensor per
+        (mesh, device), shared by every parameter there; updated in place."""
+        device = view.param.device
+        key = (id(view.layout.mesh) if view.layout.distributed else None, device)
+        copies = self.__dict__.setdefault("_codebook_copies", {})
+        copy = copies.get(key)
+        if copy is None:
+            if key == (None, torch.device("cpu")):
+                copy = self._codebook
+            else:
+                copy = make_replicated(view, self._codebook.to(device, copy=True))
+            copies[key] = copy
+        return copy
 
     def _set_codebook(self, codebook: torch.Tensor, quantizer=None) -> None:
-        """Install a codebook: one shared tensor referenced from every parameter's state."""
+        """Install a codebook: one authoritative CPU tensor, copied in place into every
+        device/mesh copy the state references."""
         if quantizer is None:
             quantizer = _C.Quantizer(codebook)
         if self._codebook is None:
             self._codebook = codebook.clone()
         else:
             self._codebook.copy_(codebook)
+            for copy in self.__dict__.get("_codebook_copies", {}).values():
+                if copy is not self._codebook:
+                    local(copy).copy_(self._codebook)
         self._quantizer = quantizer
-        for st in self.state.values():
-            if "codebook" in st:
-                st["codebook"] = self._codebook
-
-    @staticmethod
-    def _all_zero_lr_and_grads(param_groups, slots: list[Slot]) -> bool:
-        """ALGORITHM.md §5: lr == 0 everywhere and every gradient exactly zero."""
-        for group in param_groups:
-            lr = group["lr"]
-            if float(lr) != 0.0:
-                return False
-        return all(not bool(s.grad.any()) for s in slots)
 
     # ------------------------------------------------------------ first step
 
-    def _plan_first_steps(self, slots: list[Slot]) -> dict[torch.Tensor, dict]:
-        """New state (not yet installed) for every parameter stepped for the first time."""
-        pending = {}
-        reduce = self._reducer(slots)
-        for s in slots:
-            if s.param in self.state and self.state[s.param]:
-                continue
-            period = choose_period(
-                s.name, s.grad, s.param.shape, self._period_mode(s.group), self._nthreads(), reduce
-            )
-            pending[s.param] = self._new_state(s.param, period, s.group)
-        return pending
-
     def _period_mode(self, group: dict) -> str:
         return "auto"
-
-    def _learn_codebook(self, slots: list[Slot], pending: dict) -> torch.Tensor:
-        items = []
-        for s in slots:
-            st = pending[s.param] if s.param in pending else self.state[s.param]
-            items.append((s.name, s.grad, st["period"]))
-        return learn_codebook(items, self._nthreads(), self._reducer(slots))
 
     def _refresh_due(self) -> bool:
         n = self.codebook_refresh_every
         t = self._global_step + 1
         return n > 0 and self._codebook is not None and t > 1 and (t - 1) % n == 0
+
+    def _learn(self, plan: StepPlan) -> None:
+        """First-step learning (collectives when sharded): periods of the parameters
+        stepped for the first time, then the codebook when it is due; codes are
+        re-expressed (into copies) when the codebook is relearned."""
+        new = [v for v in plan.views if not self.state.get(v.key)]
+        if new:
+            periods = choose_periods(
+                new, [self._period_mode(v.group) for v in new], self._nthreads(), self._comm,
+                plan.params,
+            )
+            for v, period in zip(new, periods):
+                plan.pending[v.key] = self._new_state(v, period)
+        if self._codebook is None or self._refresh_due():
+            items = [(v, int(plan.state_of(self, v.key)["period"])) for v in plan.views]
+            plan.new_codebook = learn_codebook(items, self._nthreads(), self._comm, plan.params)
+            plan.quantizer = _C.Quantizer(plan.new_codebook)
+            if self._quantizer is not None:
+                self._remap_into_copies(plan)
+        else:
+            plan.quantizer = self._quantizer
+
+    def _remap_into_copies(self, plan: StepPlan) -> None:
+        """Codebook refresh: each stored code re-expressed as the nearest code of the new
+        codebook, into a copy that the update writes and that is installed only with a
+        successful update (the live codes never disagree with the live codebook)."""
+        table = self._quantizer.remap_table(plan.quantizer)
+        maps = {}
+        for key, st in self.state.items():
+            if "codes" not in st:
+                continue
+            codes = local(st["codes"]).clone()
+            if codes.device not in maps:
+                maps[codes.device] = code_map(table, codes.device)
+            _C.codes_remap(codes, maps[codes.device], self._nthreads(), stream_of(codes.device))
+            plan.new_codes[key] = codes
 
     # ------------------------------------------------------------ step
 
@@ -163,68 +266,98 @@ class _QuantizedOptimizer(Optimizer):
             self._apply_step(plan)
         return loss
 
-    def _prepare_step(self) -> StepPlan | None:
-        """Everything a step does before its first mutation: check every gradient, group
-        and kernel input, choose the periods of new parameters and learn the codebook
-        when due. Returns None when the step has nothing to do (no gradients, or the
-        zero-gradient/zero-lr step of ALGORITHM.md §5). Mutates nothing."""
-        slots = collect_slots(self.param_groups)
-        if not slots or self._all_zero_lr_and_grads(self.param_groups, slots):
-            return None
+    def _local_checks(self) -> tuple[list[ParamView], dict[int, float]]:
+        """Every check this rank can make alone: layouts, gradients, groups and the
+        kind's own; raises on the first problem."""
+        lrs = self._read_lrs()
         for group in self.param_groups:
             self._check_group(group)
-        self._check_step_inputs(slots)
-        pending = self._plan_first_steps(slots)
-        new_codebook = None
-        if self._codebook is None or self._refresh_due():
-            new_codebook = self._learn_codebook(slots, pending)
-        plan = StepPlan(slots, pending, new_codebook, self._quantizer_for(new_codebook))
-        self._prepare_update(plan)
-        return plan
+        all_views = self._views()
+        for v in all_views:
+            if v.grad is not None:
+                check_grad(v.param, v.grad, v.name)
+        self._check_step_inputs([v for v in all_views if v.grad is not None])
+        return all_views, lrs
+
+    def _prepare_step(self, outside_error: BaseException | None = None) -> StepPlan | None:
+        """Everything a step does before its first mutation: check every gradient, group
+        and kernel input, agree with the other ranks, choose the periods of new
+        parameters and learn the codebook when due. Returns None when the step has
+        nothing to do (no gradients, or the zero-gradient/zero-lr step of ALGORITHM.md
+        §5). Mutates nothing; on any error every rank raises (``outside_error``: a
+        failed check of a composite's other part, agreed here)."""
+        self._comm.stats.reset_step()
+        error: BaseException | None = outside_error
+        all_views: list[ParamView] = []
+        lrs: dict[int, float] = {}
+        try:
+            all_views, lrs = self._local_checks()
+        except Exception as exc:  # agreed below: every rank raises
+            error = error or exc
+        views = [v for v in all_views if v.grad is not None]
+        params = [p for g in self.param_groups for p in g["params"]]
+        plan = StepPlan(views, params, lrs)
+        flags = [0, 0, 0]
+        if error is None:
+            flags[FLAG_ANY_LR] = int(any(lr != 0.0 for lr in lrs.values()))
+            if not flags[FLAG_ANY_LR]:  # only then do zero gradients matter (§5)
+                flags[FLAG_ANY_GRAD] = int(any(bool(v.grad.any()) for v in views))
+        learning = error is None and (
+            self._codebook is None or self._refresh_due() or any(not self.state.get(v.key) for v in views)
+        )
+        header = self._header(lrs)
+        if learning or error is not None:
+            flags = self._comm.agree(params, header, flags, error)
+            if not self._has_work(views, flags):
+                return None
+            self._learn(plan)
+            try:
+                self._prepare_update(plan)
+            except Exception as exc:
+                error = exc
+            self._comm.agree(params, header, flags, error)
+            return plan
+        try:
+            if views:
+                plan.quantizer = self._quantizer
+                self._prepare_update(plan)
+        except Exception as exc:
+            error = exc
+        flags = self._comm.agree(params, header, flags, error)
+        return plan if self._has_work(views, flags) else None
+
+    @staticmethod
+    def _has_work(views: list[ParamView], flags: list[int]) -> bool:
+        """Some parameter has a gradient, and the step is not the zero step of §5."""
+        return bool(views) and bool(flags[FLAG_ANY_LR] or flags[FLAG_ANY_GRAD])
 
     def _apply_step(self, plan: StepPlan) -> None:
-        """Run a prepared step: remap codes when the codebook was relearned, update,
-        then install new state and count the step."""
-        if plan.new_codebook is not None:
-            self._remap_codes(plan.quantizer)
+        """Run a prepared step, then install new state (and the new codebook and codes
+        when it was relearned) and count the step."""
         self._run_update(plan)
-        for s in plan.slots:
-            plan.state_of(self, s.param)["step"] += 1
-        self._install(plan.pending, plan.new_codebook, plan.quantizer)
+        for v in plan.views:
+            plan.state_of(self, v.key)["step"] += 1
+        self._install(plan)
 
-    def _check_step_inputs(self, slots: list[Slot]) -> None:
+    def _check_step_inputs(self, views: list[ParamView]) -> None:
         """Kind-specific checks that must pass before anything is learned or mutated."""
 
-    def _install(self, pending: dict, new_codebook: torch.Tensor | None, quantizer) -> None:
-        """After a successful update: install new state and the codebook, count the step."""
-        if new_codebook is not None:
-            self._set_codebook(new_codebook, quantizer)
-        for p, st in pending.items():
-            st["codebook"] = self._codebook
-            self.state[p] = st
+    def _install(self, plan: StepPlan) -> None:
+        """After a successful update: install new state, codes and the codebook, count
+        the step."""
+        if plan.new_codebook is not None:
+            self._set_codebook(plan.new_codebook, plan.quantizer)
+        for key, codes in plan.new_codes.items():
+            local(self.state[key]["codes"]).copy_(codes)
+        for v in plan.views:
+            st = plan.pending.get(v.key)
+            if st is not None:
+                st["codebook"] = self._codebook_on(v)
+                self.state[v.key] = st
         self._global_step += 1
         for st in self.state.values():
             if "global_step" in st:
                 st["global_step"] = self._global_step
-
-    def _quantizer_for(self, new_codebook: torch.Tensor | None):
-        """The quantiser this step requantises with (the new one when learning)."""
-        if new_codebook is not None:
-            return _C.Quantizer(new_codebook)
-        return self._quantizer
-
-    def _remap_codes(self, new_quantizer) -> None:
-        """Codebook refresh: re-express every stored code in the new codebook."""
-        if self._quantizer is None:
-            return
-        table = self._quantizer.remap_table(new_quantizer)
-        maps = {}
-        for st in self.state.values():
-            if "codes" in st:
-                codes = st["codes"]
-                if codes.device not in maps:
-                    maps[codes.device] = code_map(table, codes.device)
-                _C.codes_remap(codes, maps[codes.device], self._nthreads(), stream_of(codes.device))
 
     def _device_table(self, quantizer, device: torch.device):
         """The quantiser's lookup table on ``device`` (None on the CPU), cached."""
@@ -246,21 +379,6 @@ class _QuantizedOptimizer(Optimizer):
         sd = super().state_dict()
         sd["state"] = {k: v for k, v in sd["state"].items() if v}
         return sd
-
-    #: Attributes beyond torch.optim's that pickling and deepcopy must keep.
-    _PICKLED = ("codebook_refresh_every", "_codebook", "_global_step")
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        for name in self._PICKLED:
-            state[name] = getattr(self, name)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        # the quantiser is a C object: rebuilt from the codebook, never pickled
-        codebook = getattr(self, "_codebook", None)
-        self._quantizer = _C.Quantizer(codebook) if codebook is not None else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict produced by :meth:`state_dict`.
@@ -364,14 +482,42 @@ class _QuantizedOptimizer(Optimizer):
             param_groups.append(sg)
         self.__setstate__({"state": new_state, "param_groups": param_groups})
         self._codebook = shared
+        self._codebook_copies = {(None, torch.device("cpu")): shared} if shared is not None else {}
         self._quantizer = _C.Quantizer(shared) if shared is not None else None
         self._global_step = global_step or 0
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    # ------------------------------------------------------------ pickling
+
+    #: Attributes beyond torch.optim's that pickling and deepcopy must keep.
+    _PICKLED = ("codebook_refresh_every", "_codebook", "_global_step", "_comm")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in self._PICKLED:
+            state[name] = getattr(self, name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # the quantiser is a C object: rebuilt from the codebook, never pickled
+        codebook = getattr(self, "_codebook", None)
+        self._quantizer = _C.Quantizer(codebook) if codebook is not None else None
+        if "_comm" not in self.__dict__:
+            self._comm = Comm()
+        self._header_cache = {}
+        self._codebook_copies = {}
+        if codebook is not None:  # state references the codebook: re-share it
+            self._codebook_copies[(None, torch.device("cpu"))] = codebook
+            for st in self.state.values():
+                cb = st.get("codebook") if isinstance(st, dict) else None
+                if isinstance(cb, torch.Tensor) and not hasattr(cb, "device_mesh") and cb.device.type == "cpu":
+                    st["codebook"] = codebook
+
     # ------------------------------------------------------------ subclass API
 
-    def _new_state(self, p: torch.Tensor, period: int, group: dict) -> dict:
+    def _new_state(self, view: ParamView, period: int) -> dict:
         raise NotImplementedError
 
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
@@ -387,14 +533,67 @@ class _QuantizedOptimizer(Optimizer):
         raise NotImplementedError
 
 
-def block_state(p: torch.Tensor, period: int) -> dict:
-    """Codes and block magnitudes (zero momentum) for a parameter with this period."""
-    rows, cols = rows_cols(p.shape)
+def block_state(view: ParamView, period: int) -> dict:
+    """Codes and block magnitudes (zero momentum) for a parameter with this period:
+    local rows allocated, laid out on the parameter's global grid."""
+    rows, cols = rows_cols(view.shape)
     nblocks = cols // period if cols else 0
+    lrows = view.local_rows
+    dev = view.param.device
     return {
         "step": 0,
         "global_step": 0,
         "period": int(period),
-        "codes": torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
-        "magnitude": torch.zeros((rows, nblocks), dtype=torch.float32, device=p.device),
+        "codes": make_row_state(view, torch.zeros(view.param.shape, dtype=torch.uint8, device=dev), view.shape),
+        "magnitude": make_row_state(
+            view, torch.zeros((lrows, nblocks), dtype=torch.float32, device=dev), (rows, nblocks)
+        ),
     }
+
+
+def row_vector(view: ParamView) -> torch.Tensor:
+    """A float32 vector of one value per global row (local rows allocated)."""
+    return make_row_state(
+        view, torch.zeros(view.local_rows, dtype=torch.float32, device=view.param.device), (view.rows,)
+    )
+
+
+def rebind_plan(opt: Optimizer, model: torch.nn.Module, has_state: bool) -> list[list[torch.Tensor]]:
+    """The parameters ``opt``'s groups would hold after :meth:`rebind` (validated; nothing
+    changes): each group's ``param_names`` looked up in ``model.named_parameters()``."""
+    if has_state:
+        raise RuntimeError(
+            "rebind() is only allowed before the optimizer's first step (it has state); "
+            "build the optimizer after fully_shard(model), or rebind before stepping"
+        )
+    named = dict(model.named_parameters())
+    out = []
+    for gi, group in enumerate(opt.param_groups):
+        names = group.get("param_names")
+        if names is None or len(names) != len(group["params"]):
+            raise ValueError(
+                f"rebind() needs parameter names: parameter group {gi} was not built from "
+                "model.named_parameters()"
+            )
+        params = []
+        for name, old in zip(names, group["params"]):
+            new = named.get(name)
+            if new is None:
+                raise ValueError(f"rebind(): parameter '{name}' is not a parameter of the model")
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(
+                    f"rebind(): parameter '{name}' has shape {tuple(new.shape)} in the model but "
+                    f"{tuple(old.shape)} in the optimizer"
+                )
+            check_param(new, name)
+            layout_of(new, name)
+            params.append(new)
+        out.append(params)
+    return out
+
+
+def install_rebind(opt: Optimizer, new_params: list[list[torch.Tensor]]) -> None:
+    """Install what :func:`rebind_plan` returned."""
+    for group, params in zip(opt.param_groups, new_params):
+        group["params"] = params
+    opt.state = defaultdict(dict)

@@ -7,7 +7,6 @@ A parameter of global shape ``(d0, d1, ...)`` is an ``R x S`` matrix with ``R = 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -31,18 +30,6 @@ def param_name(group: dict, group_index: int, index: int) -> str:
     return f"param_groups[{group_index}][{index}]"
 
 
-@dataclass
-class Slot:
-    """One parameter that takes part in a step."""
-
-    group: dict
-    group_index: int
-    index: int
-    param: torch.Tensor
-    grad: torch.Tensor
-    name: str
-
-
 def check_param(p: torch.Tensor, name: str) -> None:
     """Reject parameters the optimizer can never update (at construction)."""
     if not isinstance(p, torch.Tensor):
@@ -53,9 +40,9 @@ def check_param(p: torch.Tensor, name: str) -> None:
         raise ValueError(f"parameter '{name}': dtype {p.dtype} is not a floating-point dtype")
 
 
-def check_grad(slot: Slot) -> None:
-    """Reject a gradient before anything is mutated, naming the parameter."""
-    p, g, name = slot.param, slot.grad, slot.name
+def check_grad(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
+    """Reject a gradient before anything is mutated, naming the parameter (``p`` and
+    ``g`` are the local shards)."""
     if g.is_sparse or g.layout != torch.strided:
         raise RuntimeError(f"parameter '{name}': sparse gradients are not supported")
     if g.is_complex():
@@ -80,18 +67,19 @@ def check_grad(slot: Slot) -> None:
         )
 
 
-def collect_slots(param_groups: list[dict]) -> list[Slot]:
-    """Every parameter with a gradient and at least one element, checked, in group order.
-    (A parameter with no elements has nothing to update and gets no state.)"""
-    slots = []
+def check_plain_grads(param_groups: list[dict]) -> None:
+    """The gradient checks of :func:`check_grad` for every parameter with a gradient
+    (what ``torch.optim.AdamW`` would otherwise find only while mutating)."""
     for gi, group in enumerate(param_groups):
         for i, p in enumerate(group["params"]):
-            if p.grad is None or p.numel() == 0:
+            g = p.grad
+            if g is None:
                 continue
-            slot = Slot(group, gi, i, p, p.grad, param_name(group, gi, i))
-            check_grad(slot)
-            slots.append(slot)
-    return slots
+            name = param_name(group, gi, i)
+            if hasattr(g, "_local_tensor") and hasattr(p, "_local_tensor"):
+                check_grad(p._local_tensor, g._local_tensor, name)
+            else:
+                check_grad(p, g, name)
 
 
 def as_float(value, what: str) -> float:

@@ -7,11 +7,14 @@ import math
 
 import torch
 
-from ._base import StepPlan, _QuantizedOptimizer, block_state
+from ._base import StepPlan, _QuantizedOptimizer, block_state, row_vector
+from ._comm import ShardBuffers
 from ._device import group_by_device, stream_of
 from ._ext import _C
+from ._items import AdamItem
 from ._layout import as_float, rows_cols
 from ._state import COMMON_KEYS, StateError, as_int, check_keys, check_tensor
+from ._views import ParamView, local, make_replicated, make_row_state
 
 __all__ = ["Gefen"]
 
@@ -116,16 +119,19 @@ class Gefen(_QuantizedOptimizer):
     def _is_factored(p: torch.Tensor, group: dict) -> bool:
         return bool(group["factored"]) and p.dim() >= 2
 
-    def _new_state(self, p: torch.Tensor, period: int, group: dict) -> dict:
-        st = block_state(p, period)
-        rows, cols = rows_cols(p.shape)
-        if self._is_factored(p, group):
+    def _new_state(self, view: ParamView, period: int) -> dict:
+        st = block_state(view, period)
+        rows, cols = rows_cols(view.shape)
+        if self._is_factored(view.key, view.group):
             st["factored"] = 1
-            st["v_row"] = torch.zeros(rows, dtype=torch.float32, device=p.device)
-            st["v_col"] = torch.zeros(cols, dtype=torch.float32, device=p.device)
+            st["v_row"] = row_vector(view)
+            st["v_col"] = make_replicated(
+                view, torch.zeros(cols, dtype=torch.float32, device=view.param.device)
+            )
         else:
             st["factored"] = 0
-            st["vmean"] = torch.zeros_like(st["magnitude"])
+            mag = st["magnitude"]
+            st["vmean"] = make_row_state(view, torch.zeros_like(local(mag)), mag.shape)
         return st
 
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
@@ -152,46 +158,67 @@ class Gefen(_QuantizedOptimizer):
     # ------------------------------------------------------------ update
 
     def _prepare_update(self, plan: StepPlan) -> None:
-        """The C step items (validated by ``_C.adam_validate``) and the (parameter,
-        contiguous copy) pairs to write back for non-contiguous parameters."""
+        """One validated ``_C.AdamStep`` per device, the flat buffers of the factored
+        column sums (one per shard group, reduced between the phases), and the
+        (parameter, contiguous copy) pairs to write back for non-contiguous parameters."""
         items, copies = [], []
         seed = self._global_step
-        for s in plan.slots:
-            st = plan.state_of(self, s.param)
-            group = s.group
-            p = s.param
-            pc = p
+        buffers = {}
+        reserved = []
+        for v in plan.views:
+            st = plan.state_of(self, v.key)
+            group = v.group
+            p = v.param
             if not p.is_contiguous():
-                pc = p.detach().contiguous()
+                pc = p.contiguous()
                 copies.append((p, pc))
-            g = s.grad if s.grad.is_contiguous() else s.grad.contiguous()
-            rows, cols = rows_cols(p.shape)
-            col_stats = row_stats = None
+                p = pc
+            rows, cols = rows_cols(v.shape)
+            row_stats = col_key = None
             if st["factored"]:
-                col_stats = torch.empty(cols + 1, dtype=torch.float64, device=p.device)
-                row_stats = torch.empty(rows, dtype=torch.float64, device=p.device)
+                row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=p.device)
+                buf = buffers.setdefault(p.device, ShardBuffers(p.device))
+                col_key = (buf, *buf.reserve(v.layout, cols + 1))
             beta1, beta2 = group["betas"]
             items.append(
-                (
-                    s.name, pc, g, st["codes"], st["magnitude"], st.get("vmean"),
-                    st.get("v_row"), st.get("v_col"), col_stats, row_stats,
-                    st["period"], 0, rows, st["step"] + 1,
-                    as_float(group["lr"], "lr"), float(beta1), float(beta2),
-                    float(group["eps"]), float(group["weight_decay"]),
-                    bool(group["stochastic_round"]), seed,
+                AdamItem(
+                    name=v.name, param=p, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key),
+                    magnitude=local(st["magnitude"]), vmean=local(st.get("vmean")),
+                    v_row=local(st.get("v_row")), v_col=local(st.get("v_col")),
+                    col_stats=None, row_stats=row_stats, period=int(st["period"]),
+                    row_offset=v.row_offset, global_rows=rows, step=int(st["step"]) + 1,
+                    lr=plan.lr(group), beta1=float(beta1), beta2=float(beta2),
+                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                    stochastic_round=bool(group["stochastic_round"]), seed=seed,
                 )
             )
-        for group_items in group_by_device(items, lambda it: it[1].device).values():
-            _C.adam_validate(group_items)
-        plan.payload = (items, copies)
+            reserved.append(col_key)
+        for buf in buffers.values():
+            buf.allocate()
+        for item, key in zip(items, reserved):
+            if key is not None:
+                buf, k, off = key
+                item.col_stats = buf.view(k, off, item.v_col.numel() + 1)
+        steps = [
+            (device, _C.AdamStep(group))
+            for device, group in group_by_device(items, lambda it: it.param.device).items()
+        ]
+        plan.payload = (steps, list(buffers.values()), copies)
 
     def _run_update(self, plan: StepPlan) -> None:
-        items, copies = plan.payload
+        steps, buffers, copies = plan.payload
         nt = self._nthreads()
-        for device, group in group_by_device(items, lambda it: it[1].device).items():
-            stream = stream_of(device)
-            _C.adam_factored_stats(group, nt, stream)
-            table = self._device_table(plan.quantizer, device)
-            _C.adam_update(group, plan.quantizer, nt, stream, table)
+        error = None
+        try:
+            for device, step in steps:
+                step.factored_stats(nt, stream_of(device))
+        except Exception as exc:  # every rank that shares a parameter must hear of it
+            error = exc
+        for buf in buffers:
+            buf.reduce(self._comm, "factored", error)
+        if error is not None:
+            raise error
+        for device, step in steps:
+            step.update(plan.quantizer, nt, stream_of(device), self._device_table(plan.quantizer, device))
         for p, pc in copies:
             p.copy_(pc)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ._base import _QuantizedOptimizer
-from ._layout import check_param, collect_slots
+from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
+from ._layout import check_param, check_plain_grads
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -292,6 +292,21 @@ class GefenMuonHybrid(Optimizer):
             child = self._owner.get(p)
         return child
 
+    def rebind(self, model: nn.Module) -> None:
+        """Point both children at ``model``'s current parameters by fully qualified
+        name (e.g. after ``fully_shard(model)``); only before the first step. Both
+        children are checked before either changes."""
+        plans = []
+        for child in self._children:
+            has_state = bool(getattr(child, "_global_step", 0) or any(child.state.values()))
+            plans.append(rebind_plan(child, model, has_state))
+        for child, params in zip(self._children, plans):
+            install_rebind(child, params)
+            if isinstance(child, _QuantizedOptimizer):
+                child._header_cache = {}
+                child._codebook_copies = {}
+        self._owner = {}
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: the routing is fixed at construction. Add the group to
         ``hybrid.muon`` or ``hybrid.backup`` instead (it then appears in
@@ -323,7 +338,7 @@ class GefenMuonHybrid(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plans = [_prepare(child) for child in self._children]
+        plans = _prepare_all(self._children)
         for child, plan in zip(self._children, plans):
             if isinstance(child, _QuantizedOptimizer):
                 if plan is not None:
@@ -540,14 +555,29 @@ def _groups(named, role: str, weight_decay, no_decay: tuple[str, ...]) -> list[d
     return groups
 
 
-def _prepare(child: Optimizer):
-    """Every check ``child.step()`` makes before it mutates anything: a gefen child's
-    prepared (validated, not yet applied) step; for torch.optim.AdamW, the gradient
-    checks (sparse, complex, shape, dtype, device)."""
-    if isinstance(child, _QuantizedOptimizer):
-        return child._prepare_step()
-    collect_slots(child.param_groups)
-    return None
+def _prepare_all(children) -> list:
+    """Every check each child's ``step()`` makes before it mutates anything, for all
+    children before any applies: a gefen child's prepared (validated, agreed, not yet
+    applied) step; for ``torch.optim.AdamW``, the gradient checks (sparse, complex,
+    shape, dtype, device). AdamW's verdict joins the first gefen child's agreement, so
+    under sharding every rank raises together."""
+    plain_error = None
+    for child in children:
+        if not isinstance(child, _QuantizedOptimizer):
+            try:
+                check_plain_grads(child.param_groups)
+            except Exception as exc:
+                plain_error = exc
+    plans = []
+    for child in children:
+        if isinstance(child, _QuantizedOptimizer):
+            plans.append(child._prepare_step(plain_error))
+            plain_error = None  # agreed (raised) by that child
+        else:
+            plans.append(None)
+    if plain_error is not None:
+        raise plain_error
+    return plans
 
 
 def _loaded_scratch(child: Optimizer, half: dict) -> Optimizer:

@@ -18,11 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from ._base import StepPlan, _QuantizedOptimizer, block_state
+from ._base import StepPlan, _QuantizedOptimizer, block_state, row_vector
+from ._comm import ShardBuffers
 from ._device import group_by_device, stream_of
 from ._ext import _C
-from ._layout import Slot, as_float, param_name
+from ._items import MuonItem
+from ._layout import as_float, param_name
+from ._orthogonalize import orthogonalize
 from ._state import COMMON_KEYS, check_keys, check_tensor
+from ._views import LOCAL, ParamView, local
+
+#: NorMuon's rescale in "approx" mode uses the local rows' own norms.
+_UNSHARDED = LOCAL
 
 __all__ = [
     "GefenMuon",
@@ -33,6 +40,8 @@ __all__ = [
     "ns_coefficient_schedule",
     "lr_ratio",
     "normuon_normalize",
+    "normuon_rows",
+    "normuon_rescale",
 ]
 
 #: Keller Jordan's quintic coefficients, ``torch.optim.Muon``'s default.
@@ -123,23 +132,37 @@ def lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
 
 
-def normuon_normalize(
+def normuon_rows(
     o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, step: int
-) -> torch.Tensor:
-    """NorMuon (ALGORITHM.md §7): normalise each row of the orthogonalised update.
-
-    ``r_i = ‖O_i‖²/cols``; ``v_i ← β2·v_i + (1-β2)·r_i`` (in place, fp32);
-    ``v̂ = v / (1 - β2^step)``; ``O_i ← O_i / (sqrt(v̂_i) + eps)``; finally ``O`` is
-    rescaled to the Frobenius norm it had before. Returns the fp32 result.
-    """
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NorMuon's row part (ALGORITHM.md §7) on the rows of ``o`` that ``v`` (fp32, one
+    entry per row, updated in place) belongs to: ``r_i = ‖O_i‖²/cols``,
+    ``v_i ← β2·v_i + (1-β2)·r_i``, ``O_i ← O_i / (sqrt(v̂_i) + eps)`` with
+    ``v̂ = v / (1 - β2^step)``. Returns the fp32 rows and the float64 sums of squares of
+    ``o`` before and after (to be summed over the ranks that share the matrix)."""
     o = o.float()
-    norm_before = torch.linalg.vector_norm(o)
+    before = o.double().square().sum()
     v.mul_(beta2).add_((o * o).mean(dim=1), alpha=1.0 - beta2)
     vhat = v / (1.0 - beta2**step)
     o = o / (vhat.sqrt() + eps).unsqueeze(1)
-    norm_after = torch.linalg.vector_norm(o)
-    # all-zero O stays zero (norm_before is then 0 as well)
-    return o * (norm_before / norm_after.clamp_min(torch.finfo(torch.float32).tiny))
+    return o, torch.stack([before, o.double().square().sum()])
+
+
+def normuon_rescale(o: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Rescales NorMuon's rows to the Frobenius norm the whole matrix had before the
+    normalisation (``sums``: the whole matrix's sums of squares before and after)."""
+    before, after = sums.sqrt().tolist()
+    # all-zero O stays zero (before is then 0 as well)
+    return o * float(before / max(after, torch.finfo(torch.float32).tiny))
+
+
+def normuon_normalize(
+    o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float, step: int
+) -> torch.Tensor:
+    """NorMuon (ALGORITHM.md §7) of one whole matrix: :func:`normuon_rows`, then
+    :func:`normuon_rescale` so ``O`` keeps the Frobenius norm it had. Returns fp32."""
+    rows, sums = normuon_rows(o, v, beta2, eps, step)
+    return normuon_rescale(rows, sums)
 
 
 # ------------------------------------------------------------ validation
@@ -330,10 +353,10 @@ class GefenMuon(_QuantizedOptimizer):
 
     # ------------------------------------------------------------ state
 
-    def _new_state(self, p: torch.Tensor, period: int, group: dict) -> dict:
-        st = block_state(p, period)
-        if group["normuon"]:
-            st["v"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+    def _new_state(self, view: ParamView, period: int) -> dict:
+        st = block_state(view, period)
+        if view.group["normuon"]:
+            st["v"] = row_vector(view)
         return st
 
     def _check_state(self, st: dict, p: torch.Tensor, name: str, group: dict) -> None:
@@ -344,108 +367,139 @@ class GefenMuon(_QuantizedOptimizer):
 
     # ------------------------------------------------------------ step
 
-    def _check_step_inputs(self, slots: list[Slot]) -> None:
-        seen = set()
-        for s in slots:
-            if id(s.group) not in seen:
-                seen.add(id(s.group))
-                self._check_group(s.group)
-            if s.param.dim() != 2:
-                raise ValueError(f"parameter '{s.name}': GefenMuon only supports 2-D parameters")
-            st = self.state.get(s.param)
-            if st and bool(s.group["normuon"]) != ("v" in st):
+    def _check_step_inputs(self, views: list[ParamView]) -> None:
+        for v in views:
+            if len(v.shape) != 2:
+                raise ValueError(f"parameter '{v.name}': GefenMuon only supports 2-D parameters")
+            st = self.state.get(v.key)
+            if st and bool(v.group["normuon"]) != ("v" in st):
                 raise ValueError(
-                    f"parameter '{s.name}': the group's normuon={s.group['normuon']} does not "
+                    f"parameter '{v.name}': the group's normuon={v.group['normuon']} does not "
                     "match the parameter's state (normuon cannot be switched after the first step)"
                 )
 
     @staticmethod
-    def _grad_of(s: Slot) -> torch.Tensor:
-        return s.grad if s.grad.is_contiguous() else s.grad.contiguous()
-
-    @staticmethod
-    def _item(s: Slot, st: dict, grad: torch.Tensor, out: torch.Tensor) -> tuple:
-        group = s.group
-        return (
-            s.name, grad, st["codes"], st["magnitude"], out, int(st["period"]),
-            float(group["momentum"]), bool(group["nesterov"]),
-        )
-
-    @staticmethod
-    def _chunks(slots: list[Slot]):
+    def _chunks(views: list[ParamView]):
+        """Consecutive runs of matrices of at most ``_CHUNK_ELEMENTS`` global elements
+        (at least one matrix each): the unit of the scratch buffer and of the
+        collectives of the sharded modes."""
         chunk, size = [], 0
-        for s in slots:
-            n = s.param.numel()
+        for v in views:
+            n = v.numel
             if chunk and size + n > _CHUNK_ELEMENTS:
                 yield chunk
                 chunk, size = [], 0
-            chunk.append(s)
+            chunk.append(v)
             size += n
         if chunk:
             yield chunk
 
     @staticmethod
-    def _chunk_outputs(chunk: list[Slot], scratch: torch.Tensor) -> list[torch.Tensor]:
-        """The Newton–Schulz inputs of a chunk: consecutive views of the scratch buffer."""
+    def _chunk_outputs(chunk: list[ParamView], scratch: torch.Tensor) -> list[torch.Tensor]:
+        """The local Newton–Schulz inputs of a chunk: consecutive views of the scratch."""
         outs, offset = [], 0
-        for s in chunk:
-            n = s.param.numel()
-            outs.append(scratch[offset : offset + n].view(s.param.shape))
+        for v in chunk:
+            n = v.param.numel()
+            outs.append(scratch[offset : offset + n].view(v.param.shape))
             offset += n
         return outs
 
     def _prepare_update(self, plan: StepPlan) -> None:
-        """Per device: chunk the slots, allocate one bf16 buffer for the largest chunk's
-        Newton–Schulz inputs, and validate every momentum item with ``_C.muon_validate``
-        against the very views the update will write (reused chunk after chunk)."""
+        """Per device: chunk the matrices, allocate one bf16 buffer for the largest
+        chunk's local Newton–Schulz inputs, and build one validated ``_C.MuonStep`` per
+        chunk against the very views the update will write (reused chunk after chunk)."""
         payload = []
-        for device, slots in group_by_device(plan.slots, lambda s: s.param.device).items():
-            chunks = list(self._chunks(slots))
-            size = max(sum(s.param.numel() for s in chunk) for chunk in chunks)
+        for device, views in group_by_device(plan.views, lambda v: v.param.device).items():
+            chunks = list(self._chunks(views))
+            size = max(sum(v.param.numel() for v in chunk) for chunk in chunks)
             scratch = torch.empty(size, dtype=torch.bfloat16, device=device)
-            items = []
+            steps = []
             for chunk in chunks:
-                for s, out in zip(chunk, self._chunk_outputs(chunk, scratch)):
-                    items.append(self._item(s, plan.state_of(self, s.param), self._grad_of(s), out))
-            _C.muon_validate(items)
-            payload.append((device, chunks, scratch))
+                outs = self._chunk_outputs(chunk, scratch)
+                items = [
+                    MuonItem(
+                        name=v.name, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key),
+                        magnitude=local(plan.state_of(self, v.key)["magnitude"]), out=out,
+                        period=int(plan.state_of(self, v.key)["period"]),
+                        beta=float(v.group["momentum"]), nesterov=bool(v.group["nesterov"]),
+                    )
+                    for v, out in zip(chunk, outs)
+                ]
+                steps.append((chunk, outs, _C.MuonStep(items)))
+            payload.append((device, steps))
         plan.payload = payload
 
     def _run_update(self, plan: StepPlan) -> None:
         nt = self._nthreads()
-        for device, chunks, scratch in plan.payload:
+        for device, steps in plan.payload:
             stream, table = stream_of(device), self._device_table(plan.quantizer, device)
-            for chunk in chunks:
+            for chunk, outs, step in steps:
                 # a chunk's inputs are consumed (Newton–Schulz copies them) before the next
                 # chunk overwrites the buffer
-                outs = self._chunk_outputs(chunk, scratch)
-                items = [
-                    self._item(s, plan.state_of(self, s.param), self._grad_of(s), out)
-                    for s, out in zip(chunk, outs)
-                ]
-                _C.muon_momentum(items, plan.quantizer, nt, stream, table)
-                for s, out in zip(chunk, outs):
-                    st = plan.state_of(self, s.param)
-                    update = self._orthogonalize(s, out)
-                    if s.group["normuon"]:
-                        update = normuon_normalize(
-                            update, st["v"], float(s.group["normuon_beta2"]),
-                            float(s.group["normuon_eps"]), st["step"] + 1,
-                        )
-                    self._apply_update(s, update)
+                step.momentum(plan.quantizer, nt, stream, table)
+                updates = self._orthogonalize_chunk(chunk, outs)
+                updates = self._normuon_chunk(plan, chunk, updates)
+                for v, update in zip(chunk, updates):
+                    if update is not None:
+                        self._apply_update(plan, v, update)
 
-    def _orthogonalize(self, s: Slot, ns_input: torch.Tensor) -> torch.Tensor:
-        """Newton–Schulz of one parameter's full matrix. (Sharded modes will gather the
-        row shards of ``ns_input`` here and return the local rows.)"""
-        group = s.group
-        return newton_schulz(ns_input, ns_coefficient_schedule(group), float(group["eps"]))
+    def _orthogonalize_chunk(self, chunk: list[ParamView], outs: list[torch.Tensor]) -> list:
+        """Newton–Schulz of every matrix of a chunk, by each group's ``sharded_mode``
+        (the local rows of the result; None for a rank without rows)."""
+        results: list = [None] * len(chunk)
+        by_mode: dict[str, list[int]] = {}
+        for i, v in enumerate(chunk):
+            by_mode.setdefault(v.group["sharded_mode"], []).append(i)
+        for mode, idx in by_mode.items():
+            res = orthogonalize(mode, [chunk[i] for i in idx], [outs[i] for i in idx],
+                                self._newton_schulz, self._comm)
+            for i, r in zip(idx, res):
+                results[i] = r
+        return results
 
     @staticmethod
-    def _apply_update(s: Slot, update: torch.Tensor) -> None:
-        """``p ← p·(1 - lr·wd)``, then ``p ← p - lr·ratio·O`` (ratio from the global shape)."""
-        group = s.group
-        lr = as_float(group["lr"], "lr")
-        rows, cols = s.param.shape
-        p = s.param
+    def _newton_schulz(v: ParamView, x: torch.Tensor) -> torch.Tensor:
+        group = v.group
+        return newton_schulz(x, ns_coefficient_schedule(group), float(group["eps"]))
+
+    def _normuon_chunk(self, plan: StepPlan, chunk: list[ParamView], updates: list) -> list:
+        """NorMuon for the matrices of groups that enable it: row normalisation on the
+        local rows, then one reduction per shard group of the norms the rescale needs
+        (``"approx"`` keeps its rows' own norms: no communication)."""
+        idx = [i for i, v in enumerate(chunk) if v.group["normuon"]]
+        if not idx:
+            return updates
+        buffers = ShardBuffers(torch.device("cpu"))
+        rows, keys = {}, {}
+        for i in idx:
+            v = chunk[i]
+            reduce_over = v.layout if v.group["sharded_mode"] != "approx" else _UNSHARDED
+            keys[i] = buffers.reserve(reduce_over, 2)
+        buffers.allocate()
+        for i in idx:
+            v, o = chunk[i], updates[i]
+            st = plan.state_of(self, v.key)
+            if o is None:  # no local rows: contributes nothing, still reduces
+                continue
+            rows[i], sums = normuon_rows(
+                o, local(st["v"]), float(v.group["normuon_beta2"]), float(v.group["normuon_eps"]),
+                int(st["step"]) + 1,
+            )
+            buffers.view(*keys[i], 2).copy_(sums)
+        buffers.reduce(self._comm, "normuon", None)
+        out = list(updates)
+        for i in idx:
+            if i in rows:
+                out[i] = normuon_rescale(rows[i], buffers.view(*keys[i], 2))
+        return out
+
+    @staticmethod
+    def _apply_update(plan: StepPlan, v: ParamView, update: torch.Tensor) -> None:
+        """``p ← p·(1 - lr·wd)``, then ``p ← p - lr·ratio·O`` on the local rows (ratio
+        from the global shape)."""
+        group = v.group
+        lr = plan.lr(group)
+        rows, cols = v.shape
+        p = v.param
         p.mul_(1.0 - lr * float(group["weight_decay"]))
         p.add_(update, alpha=-lr * lr_ratio(group["adjust_lr_fn"], rows, cols))

@@ -86,14 +86,14 @@ gefen_status gefen_cuda_muon_momentum(const gefen_muon_item *items, int64_t n,
 
 /* ------------------------------------------- period search and codebook */
 
-/* Phase 1 of the period search, as gefen_period_stats: adds into
- * device_sums[k] / device_counts[k] (float64, n_cands each, on the device).
- * cands is a HOST array (from gefen_period_candidates): the launcher validates
- * it and sizes each launch from it. Scratch: per-CTA partial sums. */
+/* Phase 1 of the period search, as gefen_period_stats: adds the exact
+ * statistics into device_stats (int64, n_cands * GEFEN_PERIOD_STAT_WIDTH, on
+ * the device). cands is a HOST array (from gefen_period_candidates): the
+ * launcher validates it and sizes each launch from it. No scratch (the size
+ * function returns 0; kept so every launcher has the same shape). */
 size_t gefen_cuda_period_stats_scratch_bytes(const gefen_matrix *g, int64_t n_cands);
 gefen_status gefen_cuda_period_stats(const gefen_matrix *g, const int64_t *cands,
-                                     int64_t n_cands, double *device_sums,
-                                     double *device_counts, void *scratch,
+                                     int64_t n_cands, int64_t *device_stats, void *scratch,
                                      size_t scratch_bytes, void *stream, gefen_error *err);
 
 /* As gefen_histogram: adds the counts into device_hist[GEFEN_HIST_BINS]

@@ -13,7 +13,9 @@ within fp32 tolerance. Conventions that make it match a plain C loop:
   C's ``sqrtf``; ``scalar / tensor`` (torch computes ``reciprocal(t) * scalar``)
   -> :func:`_rdiv32` divides a full tensor;
 * every float64 sum is a sequential left-to-right sum (``np.cumsum``), as a C
-  loop accumulates, not torch's pairwise/vectorised reduction.
+  loop accumulates, not torch's pairwise/vectorised reduction -- except the period
+  search's sum of block variances, which the core takes exactly and rounds once
+  (``math.fsum``), so that no sharding of the rows can change it.
 
 Nothing here is fast; it is meant for tests only.
 """
@@ -118,7 +120,8 @@ def period_errors(g: torch.Tensor, cands: list[int]) -> list[float]:
         mean = _seqsum(blocks, axis=1) / d
         dev = blocks - mean[:, None]
         var = _seqsum(dev * dev, axis=1) / d
-        total = float(_seqsum(var))
+        # the sum over blocks is exact, rounded once (order- and sharding-independent)
+        total = math.fsum(var.tolist())
         errs.append(math.sqrt(total / nb))
     return errs
 

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "COMPATIBILITY.md")
 UNTESTED = "**untested**"
 # a backticked repository path, optionally with ::name
-REF = re.compile(r"`((?:tests|tools|kernels|benchmarks|\.ci)/[\w./-]+)(?:::(\w+))?`")
+REF = re.compile(r"`((?:tests|tools|kernels|benchmarks)/[\w./-]+)(?:::(\w+))?`")
 
 
 def _rows():

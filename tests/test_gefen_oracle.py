@@ -135,10 +135,33 @@ def test_codebook_solver_matches_oracle_on_dense_histograms():
 
 def test_periods_match_oracle_on_many_shapes():
     gen = torch.Generator().manual_seed(5)
-    from gefen._learning import choose_period
+    from gefen._comm import Comm
+    from gefen._learning import choose_periods
+    from gefen._views import make_view
 
+    views, expected = [], []
     for shape in [(8, 48), (16, 96), (4, 6, 8), (2, 2048), (30, 30), (5, 7)]:
         for _ in range(3):
             g = torch.randn(shape, generator=gen)
             g = g * torch.rand(shape[0], 1, *([1] * (len(shape) - 2)), generator=gen)
-            assert choose_period("g", g, g.shape, "auto", 2) == ref.choose_period(g)
+            p = torch.nn.Parameter(torch.zeros(shape))
+            p.grad = g
+            views.append(make_view(p, "g", {}, 0, len(views)))
+            expected.append(ref.choose_period(g))
+    # all parameters' statistics in one flat buffer, as a step does
+    assert choose_periods(views, ["auto"] * len(views), 2, Comm(), views) == expected
+
+
+def test_exact_sum_is_the_correctly_rounded_sum():
+    """The period search sums block variances exactly and rounds once: the same value
+    as Python's math.fsum, whatever the order or magnitude of the terms."""
+    import math
+
+    gen = torch.Generator().manual_seed(11)
+    for scale in (1.0, 1e-200, 1e200):
+        x = torch.rand(5000, generator=gen, dtype=torch.float64) * scale
+        x = x * torch.exp2(torch.randint(-40, 40, (5000,), generator=gen).double())
+        assert _C.exact_sum(x) == math.fsum(x.tolist())
+        assert _C.exact_sum(x.flip(0)) == _C.exact_sum(x)
+    with pytest.raises(ValueError, match="negative or not finite"):
+        _C.exact_sum(torch.tensor([1.0, -1.0], dtype=torch.float64))

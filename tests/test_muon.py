@@ -313,28 +313,36 @@ def test_invalid_group_value_set_after_construction_fails_before_mutation():
 
 
 def test_core_precheck_rejects_bad_items_without_writing():
-    q = _C.Quantizer(torch.linspace(-1, 1, 256))
+    from gefen._items import MuonItem
+
     g = torch.randn(4, 6)
     codes = torch.full((4, 6), 7, dtype=torch.uint8)
     mag = torch.ones(4, 1)
     out = torch.zeros(4, 6, dtype=torch.bfloat16)
-    good = ("w", g, codes, mag, out, 6, 0.9, True)
-    _C.muon_validate([good])
+
+    def item(**changes):
+        fields = dict(name="w", grad=g, codes=codes, magnitude=mag, out=out, period=6,
+                      beta=0.9, nesterov=True)
+        fields.update(changes)
+        return MuonItem(**fields)
+
+    _C.MuonStep([item()])
+    def bad(**changes):  # a second item with its own output unless it says otherwise
+        return item(**{"out": torch.zeros(4, 6, dtype=torch.bfloat16), **changes})
+
     bad_items = [
-        (("w", g, codes, mag, out, 4, 0.9, True), ValueError, "'w': period 4 does not divide 6"),
-        (("w", g, codes, mag, torch.zeros(4, 5, dtype=torch.bfloat16), 6, 0.9, True), ValueError,
-         "'w': the momentum output has 20 elements, expected 24"),
-        (("w", g, codes, mag, torch.zeros(4, 6, dtype=torch.float16), 6, 0.9, True), TypeError,
-         "'w': the momentum output must be float32 or bfloat16"),
-        (("w", g, codes, mag, out, 6, 1.0, True), ValueError, r"'w': momentum 1 must lie in \[0, 1\)"),
-        (("w", g, codes, torch.ones(4, 2), out, 6, 0.9, True), ValueError,
-         "'w': state 'magnitude' has 8 elements, expected 4"),
+        (bad(period=4), ValueError, "'w'.*period 4 does not divide 6"),
+        (bad(out=torch.zeros(4, 5, dtype=torch.bfloat16)), ValueError,
+         "'w'.*momentum output has 20 elements, expected 24"),
+        (bad(out=torch.zeros(4, 6, dtype=torch.float16)), TypeError,
+         "'w'.*momentum output must be float32 or bfloat16"),
+        (bad(beta=1.0), ValueError, "'w'.*momentum"),
+        (bad(magnitude=torch.ones(4, 2)), ValueError, "'w'.*magnitude.*8 elements, expected 4"),
+        (item(name="v"), ValueError, "'[wv]' and '[wv]' overlap in memory"),  # one output twice
     ]
-    for bad, exc, match in bad_items:
-        with pytest.raises(exc, match=match):
-            _C.muon_validate([good, bad])
-        with pytest.raises(exc, match=match):
-            _C.muon_momentum([good, bad], q)
+    for bad, kind, message in bad_items:
+        with pytest.raises(kind, match=message):
+            _C.MuonStep([item(), bad])
     assert bool((codes == 7).all()) and bool((mag == 1).all()) and not bool(out.any())
 
 

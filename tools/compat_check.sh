@@ -60,6 +60,8 @@ for v in "${VERSIONS[@]}"; do
   (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
      | while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done \
      | tar --null -cf - -T -) | tar -xf - -C "$src"
+  # a reused venv may hold an earlier build (or the distribution's former name)
+  "$venv/bin/python" -m pip uninstall -q -y gefen-optim gefen > /dev/null 2>&1 || true
   "$venv/bin/python" -m pip install -q --no-build-isolation -e "$src" > "$WORK/build.log" 2>&1 \
     || { tail -40 "$WORK/build.log"; exit 1; }
 

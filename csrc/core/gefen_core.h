@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define GEFEN_CORE_VERSION 1
+#define GEFEN_CORE_VERSION 2
 
 #define GEFEN_CODEBOOK_SIZE 256   /* entries in a codebook, codes are uint8 */
 #define GEFEN_HIST_BINS 4096      /* histogram bins over [-1, 1] */
@@ -84,22 +84,49 @@ typedef struct {
 int64_t gefen_period_candidates(int64_t cols, int64_t numel, int64_t *out,
                                 int64_t cap);
 
-/* Phase 1 of the period search. For candidate k, adds to sums[k] the sum over
- * the local blocks of length cands[k] of the population variance of g*g
- * (squared in fp32, variance in float64), and adds the number of those blocks
- * to counts[k]. The caller zeroes sums/counts and, when sharded, all-reduces
- * both (replicated copies counted once) before gefen_period_choose. */
-gefen_status gefen_period_stats(const gefen_matrix *g, const int64_t *cands,
-                                int64_t n_cands, double *sums, double *counts,
-                                int nthreads, gefen_error *err);
+/* Exact sums (gefen_xsum.h): a sum of non-negative doubles carried as
+ * GEFEN_XSUM_LIMBS int64 limbs, so that partial sums add exactly in any
+ * order -- across threads, shards and an integer all-reduce. */
+#define GEFEN_XSUM_LIMBS 66
 
-/* Phase 2: the period of ALGORITHM.md §2 from the (reduced) statistics.
+/* The statistics of one period candidate, GEFEN_PERIOD_STAT_WIDTH int64s:
+ * the exact sum of the block variances (limbs 0 .. GEFEN_XSUM_LIMBS - 1),
+ * the number of blocks whose variance is not finite, and the number of
+ * blocks. Every field is a sum over blocks, so statistics of row shards
+ * add up (int64 all-reduce with SUM) to those of the whole parameter. */
+#define GEFEN_PERIOD_STAT_WIDTH (GEFEN_XSUM_LIMBS + 2)
+#define GEFEN_PERIOD_STAT_NONFINITE GEFEN_XSUM_LIMBS
+#define GEFEN_PERIOD_STAT_BLOCKS (GEFEN_XSUM_LIMBS + 1)
+
+/* Phase 1 of the period search. For candidate k, adds into
+ * stats[k * GEFEN_PERIOD_STAT_WIDTH ...] the population variance of g*g
+ * (squared in fp32, variance two-pass in float64) of every local block of
+ * length cands[k], exactly. The caller zeroes stats and, when sharded,
+ * all-reduces it (replicated copies counted once) before
+ * gefen_period_choose. The result does not depend on how the rows are split
+ * over ranks or threads. */
+gefen_status gefen_period_stats(const gefen_matrix *g, const int64_t *cands,
+                                int64_t n_cands, int64_t *stats, int nthreads,
+                                gefen_error *err);
+
+/* Phase 2: the period of ALGORITHM.md §2 from the (reduced) statistics:
+ * err(d) = sqrt(S / n) with S the exact sum rounded once to float64 (NaN
+ * when a block variance was not finite) and n the block count.
  * numel <= 1 or cols == 1 gives 1 without looking at the statistics;
  * ndim is the parameter's number of dimensions (for the fallback rule). */
 gefen_status gefen_period_choose(int64_t cols, int64_t numel, int ndim,
                                  const int64_t *cands, int64_t n_cands,
-                                 const double *sums, const double *counts,
-                                 int64_t *period, gefen_error *err);
+                                 const int64_t *stats, int64_t *period,
+                                 gefen_error *err);
+
+/* The value of an exact sum (GEFEN_XSUM_LIMBS non-negative limbs) rounded
+ * once to the nearest double, ties to even; +inf beyond the largest double. */
+double gefen_exact_sum_value(const int64_t *limbs);
+
+/* Adds the n finite non-negative values x into limbs (exactly). Returns
+ * GEFEN_EVALUE for a negative or non-finite value, adding nothing. */
+gefen_status gefen_exact_sum_add(int64_t *limbs, const double *x, int64_t n,
+                                 gefen_error *err);
 
 /* ---------------------------------------------------------- codebook (§3) */
 

@@ -1,13 +1,14 @@
 /* Period search (ALGORITHM.md §2) and the codebook histogram (§3).
  *
  * Both are phase-1 statistics: they read gradients and accumulate into flat
- * buffers that a sharded caller all-reduces before the deterministic phase 2.
- * Partial sums are taken over a fixed split of the rows (independent of the
- * thread count) and added in order, so a result does not depend on threads. */
+ * int64 buffers that a sharded caller all-reduces before the deterministic
+ * phase 2. Both are exact (counts, and exact sums of block variances), so a
+ * result depends neither on the thread count nor on how rows are sharded. */
 #include <stdlib.h>
 
 #include "core_internal.h"
 #include "kernel_internal.h"
+#include "gefen_xsum.h"
 
 #define ROW_CHUNKS_MAX 256
 
@@ -65,13 +66,33 @@ static gefen_status check_matrix(const gefen_matrix *g, gefen_error *err) {
   return GEFEN_OK;
 }
 
+/* One thread's statistics: an exact sum per candidate, normalised before
+ * its limbs could overflow. */
+typedef struct {
+  int64_t *stats; /* n_cands * GEFEN_PERIOD_STAT_WIDTH */
+  int64_t adds;   /* additions since the last normalisation */
+} period_acc;
+
+static void acc_add(period_acc *a, int64_t k, double v) {
+  int64_t *st = a->stats + k * GEFEN_PERIOD_STAT_WIDTH;
+  if (!gefen_xsum_accepts(v)) {
+    st[GEFEN_PERIOD_STAT_NONFINITE]++;
+    return;
+  }
+  gefen_xsum_add(st, v);
+  if (++a->adds == GEFEN_XSUM_SAFE_ADDS) {
+    a->adds = 0;
+    (void)gefen_xsum_normalize(st); /* a sum of finite doubles of one shard fits */
+  }
+}
+
 gefen_status gefen_period_stats(const gefen_matrix *g, const int64_t *cands,
-                                int64_t n_cands, double *sums, double *counts,
-                                int nthreads, gefen_error *err) {
+                                int64_t n_cands, int64_t *stats, int nthreads,
+                                gefen_error *err) {
   gefen_clear(err);
   gefen_status st = check_matrix(g, err);
   if (st != GEFEN_OK) return st;
-  if (n_cands < 0 || (n_cands > 0 && (!cands || !sums || !counts)))
+  if (n_cands < 0 || (n_cands > 0 && (!cands || !stats)))
     return gefen_fail(err, GEFEN_EVALUE, "period statistics need candidates and outputs");
   for (int64_t k = 0; k < n_cands; k++) {
     if (cands[k] < 1 || g->cols % cands[k])
@@ -83,42 +104,67 @@ gefen_status gefen_period_stats(const gefen_matrix *g, const int64_t *cands,
 
   const int nt = gefen_threads(nthreads);
   const int64_t nchunk = row_chunks(rows);
+  const size_t width = (size_t)n_cands * GEFEN_PERIOD_STAT_WIDTH;
   float *sq = malloc((size_t)nt * (size_t)cols * sizeof(float));
-  double *part = calloc((size_t)nchunk * (size_t)n_cands, sizeof(double));
+  int64_t *part = calloc((size_t)nt * width, sizeof(int64_t));
   if (!sq || !part) {
     free(sq);
     free(part);
     return gefen_fail(err, GEFEN_ENOMEM, "period statistics: out of memory");
   }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (rows * cols > GEFEN_CHUNK_ELEMS)
-  for (int64_t c = 0; c < nchunk; c++) {
+  /* Exact sums: which thread adds which block does not change the result. */
+#pragma omp parallel num_threads(nt) if (rows * cols > GEFEN_CHUNK_ELEMS)
+  {
 #ifdef _OPENMP
-    float *x = sq + (size_t)omp_get_thread_num() * (size_t)cols;
+    const int t = omp_get_thread_num();
 #else
-    float *x = sq;
+    const int t = 0;
 #endif
-    const int64_t r0 = rows * c / nchunk, r1 = rows * (c + 1) / nchunk;
-    double *out = part + c * n_cands;
-    for (int64_t r = r0; r < r1; r++) {
-      for (int64_t j = 0; j < cols; j++) {
-        float v = gefen_load(g->data, g->dtype, r * cols + j);
-        x[j] = v * v;
-      }
-      for (int64_t k = 0; k < n_cands; k++) {
-        const int64_t d = cands[k];
-        if (d == 1) continue; /* a block of one has no variance */
-        double acc = 0.0;
-        for (int64_t b = 0; b < cols; b += d) acc += block_variance(x + b, d);
-        out[k] += acc;
+    float *x = sq + (size_t)t * (size_t)cols;
+    period_acc acc = {part + (size_t)t * width, 0};
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < nchunk; c++) {
+      const int64_t r0 = rows * c / nchunk, r1 = rows * (c + 1) / nchunk;
+      for (int64_t r = r0; r < r1; r++) {
+        for (int64_t j = 0; j < cols; j++) {
+          float v = gefen_load(g->data, g->dtype, r * cols + j);
+          x[j] = v * v;
+        }
+        for (int64_t k = 0; k < n_cands; k++) {
+          const int64_t d = cands[k];
+          if (d == 1) continue; /* a block of one has no variance */
+          for (int64_t b = 0; b < cols; b += d) acc_add(&acc, k, block_variance(x + b, d));
+        }
       }
     }
+    for (int64_t k = 0; k < n_cands; k++)
+      (void)gefen_xsum_normalize(acc.stats + k * GEFEN_PERIOD_STAT_WIDTH);
   }
-  for (int64_t c = 0; c < nchunk; c++)
-    for (int64_t k = 0; k < n_cands; k++) sums[k] += part[c * n_cands + k];
+  for (int t = 0; t < nt; t++)
+    for (size_t i = 0; i < width; i++) stats[i] += part[(size_t)t * width + i];
   for (int64_t k = 0; k < n_cands; k++)
-    counts[k] += (double)rows * (double)(cols / cands[k]);
+    stats[k * GEFEN_PERIOD_STAT_WIDTH + GEFEN_PERIOD_STAT_BLOCKS] += rows * (cols / cands[k]);
   free(sq);
   free(part);
+  return GEFEN_OK;
+}
+
+double gefen_exact_sum_value(const int64_t *limbs) { return gefen_xsum_value(limbs); }
+
+gefen_status gefen_exact_sum_add(int64_t *limbs, const double *x, int64_t n,
+                                 gefen_error *err) {
+  gefen_clear(err);
+  if (n < 0 || (n > 0 && (!limbs || !x)))
+    return gefen_fail(err, GEFEN_EVALUE, "exact sum needs values and limbs");
+  for (int64_t i = 0; i < n; i++)
+    if (!gefen_xsum_accepts(x[i]))
+      return gefen_fail(err, GEFEN_EVALUE, "exact sum: value %lld (%g) is negative or not finite",
+                        (long long)i, x[i]);
+  for (int64_t i = 0; i < n; i++) {
+    gefen_xsum_add(limbs, x[i]);
+    if ((i + 1) % GEFEN_XSUM_SAFE_ADDS == 0) (void)gefen_xsum_normalize(limbs);
+  }
+  (void)gefen_xsum_normalize(limbs);
   return GEFEN_OK;
 }
 
@@ -131,21 +177,29 @@ static int64_t fallback_divisor(int64_t cols) {
 
 gefen_status gefen_period_choose(int64_t cols, int64_t numel, int ndim,
                                  const int64_t *cands, int64_t n_cands,
-                                 const double *sums, const double *counts,
-                                 int64_t *period, gefen_error *err) {
+                                 const int64_t *stats, int64_t *period, gefen_error *err) {
   gefen_clear(err);
   if (!period) return gefen_fail(err, GEFEN_EVALUE, "period output is NULL");
   if (numel <= 1 || cols <= 1) {
     *period = 1;
     return GEFEN_OK;
   }
-  if (n_cands < 1 || !cands || !sums || !counts)
+  if (n_cands < 1 || !cands || !stats)
     return gefen_fail(err, GEFEN_EVALUE, "period choice needs at least one candidate");
   int64_t best = 0;
   double best_score = 1e-12, prev_err = 0.0;
   for (int64_t k = 0; k < n_cands; k++) {
-    double e = counts[k] > 0 ? sqrt(sums[k] / counts[k]) : 0.0;
-    if (cands[k] == 1) e = 0.0;
+    const int64_t *st = stats + k * GEFEN_PERIOD_STAT_WIDTH;
+    const int64_t blocks = st[GEFEN_PERIOD_STAT_BLOCKS];
+    for (int i = 0; i < GEFEN_PERIOD_STAT_WIDTH; i++)
+      if (st[i] < 0)
+        return gefen_fail(err, GEFEN_EVALUE, "period statistics of candidate %lld are negative "
+                          "(corrupt or overflowed)", (long long)cands[k]);
+    double e = 0.0;
+    if (cands[k] != 1 && blocks > 0) {
+      const double sum = st[GEFEN_PERIOD_STAT_NONFINITE] ? NAN : gefen_xsum_value(st);
+      e = sqrt(sum / (double)blocks);
+    }
     if (k > 0) {
       double s = e - prev_err;
       if (s < best_score) {

@@ -2,6 +2,7 @@
  * that include Python.h live in this folder. The module links no libtorch:
  * tensors arrive through DLPack (tensor_view.c). */
 #include "quantizer_type.h" /* Python.h first */
+#include "build_info.h"
 #include "steps.h"
 
 #include <string.h>
@@ -36,7 +37,7 @@ static PyObject *quantizer_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     gefen_raise_status(st, NULL, err.msg);
     return NULL;
   }
-  GefenQuantizer *self = (GefenQuantizer *)type->tp_alloc(type, 0);
+  GefenQuantizer *self = (GefenQuantizer *)PyType_GenericAlloc(type, 0);
   if (!self) {
     gefen_quantizer_destroy(q);
     return NULL;
@@ -46,8 +47,10 @@ static PyObject *quantizer_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 }
 
 static void quantizer_dealloc(GefenQuantizer *self) {
+  PyTypeObject *tp = Py_TYPE(self);
   gefen_quantizer_destroy(self->q);
-  Py_TYPE(self)->tp_free((PyObject *)self);
+  PyObject_Free(self);
+  Py_DECREF(tp); /* heap type */
 }
 
 static PyObject *quantizer_codebook(GefenQuantizer *self, PyObject *unused) {
@@ -61,7 +64,7 @@ static PyObject *quantizer_codebook(GefenQuantizer *self, PyObject *unused) {
       Py_DECREF(out);
       return NULL;
     }
-    PyTuple_SET_ITEM(out, i, f);
+    PyTuple_SetItem(out, i, f); /* steals f; cannot fail for i < size */
   }
   return out;
 }
@@ -113,7 +116,7 @@ done:
 /* remap_table(new) -> bytes: code c of this codebook -> the nearest code of
  * `new` to its value (codebook refresh). */
 static PyObject *quantizer_remap_table(GefenQuantizer *self, PyObject *arg) {
-  if (!PyObject_TypeCheck(arg, &GefenQuantizer_Type)) {
+  if (!PyObject_TypeCheck(arg, GefenQuantizer_Type)) {
     PyErr_SetString(PyExc_TypeError, "remap_table expects a Quantizer");
     return NULL;
   }
@@ -157,16 +160,22 @@ static PyGetSetDef quantizer_getset[] = {
      "True when the fast lookup table is exact for this codebook", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
-PyTypeObject GefenQuantizer_Type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gefen._C.Quantizer",
-    .tp_basicsize = sizeof(GefenQuantizer),
-    .tp_dealloc = (destructor)quantizer_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Quantizer(codebook): nearest-code quantiser for a 256-entry float32 codebook",
-    .tp_methods = quantizer_methods,
-    .tp_getset = quantizer_getset,
-    .tp_new = quantizer_new,
-};
+/* A heap type (the limited API has no static types), made once at module init. */
+PyTypeObject *GefenQuantizer_Type = NULL;
+
+static PyType_Slot quantizer_slots[] = {
+    {Py_tp_new, (void *)quantizer_new},
+    {Py_tp_dealloc, (void *)quantizer_dealloc},
+    {Py_tp_methods, quantizer_methods},
+    {Py_tp_getset, quantizer_getset},
+    {Py_tp_doc,
+     (void *)"Quantizer(codebook): nearest-code quantiser for a 256-entry float32 codebook"},
+    {0, NULL}};
+
+/* Immutable like the static type it replaces: its attributes cannot be reassigned. */
+static PyType_Spec quantizer_spec = {"gefen._C.Quantizer", sizeof(GefenQuantizer), 0,
+                                     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+                                     quantizer_slots};
 
 /* ----------------------------------------------------------- free functions */
 
@@ -185,42 +194,64 @@ static PyObject *py_period_candidates(PyObject *self, PyObject *args) {
       Py_CLEAR(out);
       break;
     }
-    PyList_SET_ITEM(out, (Py_ssize_t)i, v);
+    PyList_SetItem(out, (Py_ssize_t)i, v); /* steals v; cannot fail for i < size */
   }
   PyMem_Free(buf);
   return out;
 }
 
-/* period_choose(cols, numel, ndim, candidates, sums, counts) -> int, with
- * the three sequences as int64/float64/float64 tensors. */
+/* period_choose(cols, numel, ndim, candidates, stats) -> int, with the
+ * candidates and their (reduced) statistics as int64 CPU tensors. */
 static PyObject *py_period_choose(PyObject *self, PyObject *args) {
   (void)self;
   long long cols, numel;
   int ndim;
-  PyObject *c_obj, *s_obj, *n_obj;
-  if (!PyArg_ParseTuple(args, "LLiOOO", &cols, &numel, &ndim, &c_obj, &s_obj, &n_obj))
-    return NULL;
+  PyObject *c_obj, *s_obj;
+  if (!PyArg_ParseTuple(args, "LLiOO", &cols, &numel, &ndim, &c_obj, &s_obj)) return NULL;
   gefen_view_keep keep = {NULL};
-  gefen_view c, s, n;
+  gefen_view c, s;
   const DLDevice cpu = {kDLCPU, 0};
   PyObject *result = NULL;
   if (gefen_view_get(c_obj, &c, &keep, "<period>", "candidates") != 0 ||
       gefen_view_expect(&c, "<period>", "candidates", kDLInt, 64, c.numel, cpu) != 0 ||
-      gefen_view_get(s_obj, &s, &keep, "<period>", "sums") != 0 ||
-      gefen_view_expect(&s, "<period>", "sums", kDLFloat, 64, c.numel, cpu) != 0 ||
-      gefen_view_get(n_obj, &n, &keep, "<period>", "counts") != 0 ||
-      gefen_view_expect(&n, "<period>", "counts", kDLFloat, 64, c.numel, cpu) != 0)
+      gefen_view_get(s_obj, &s, &keep, "<period>", "statistics") != 0 ||
+      gefen_view_expect(&s, "<period>", "statistics", kDLInt, 64,
+                        c.numel * GEFEN_PERIOD_STAT_WIDTH, cpu) != 0)
     goto done;
   {
     int64_t period = 0;
     gefen_error err;
     gefen_status st = gefen_period_choose(cols, numel, ndim, (const int64_t *)c.data, c.numel,
-                                          (const double *)s.data, (const double *)n.data,
-                                          &period, &err);
+                                          (const int64_t *)s.data, &period, &err);
     if (st != GEFEN_OK)
       gefen_raise_status(st, NULL, err.msg);
     else
       result = PyLong_FromLongLong(period);
+  }
+done:
+  gefen_view_keep_release(&keep);
+  return result;
+}
+
+/* exact_sum(values: float64 CPU tensor) -> float: the exact sum of finite
+ * non-negative values rounded once (what the period search uses). */
+static PyObject *py_exact_sum(PyObject *self, PyObject *arg) {
+  (void)self;
+  gefen_view_keep keep = {NULL};
+  gefen_view v;
+  const DLDevice cpu = {kDLCPU, 0};
+  PyObject *result = NULL;
+  int64_t limbs[GEFEN_XSUM_LIMBS] = {0};
+  if (gefen_view_get(arg, &v, &keep, "<exact_sum>", "the values") != 0 ||
+      gefen_view_expect(&v, "<exact_sum>", "the values", kDLFloat, 64, v.numel, cpu) != 0)
+    goto done;
+  {
+    gefen_error err;
+    gefen_status st = gefen_exact_sum_add(limbs, (const double *)v.data, v.numel, &err);
+    if (st != GEFEN_OK)
+      gefen_raise_status(st, NULL, err.msg);
+    else
+      result = PyFloat_FromDouble(gefen_exact_sum_value(limbs));
   }
 done:
   gefen_view_keep_release(&keep);
@@ -292,11 +323,15 @@ static PyObject *py_has_threads(PyObject *self, PyObject *unused) {
   return PyBool_FromLong(gefen_core_has_threads());
 }
 
-#define KW(f) (PyCFunction)(void (*)(void))(f), METH_VARARGS | METH_KEYWORDS
-
 static PyMethodDef module_methods[] = {
     {"core_version", py_core_version, METH_NOARGS, "core_version() -> int"},
     {"has_threads", py_has_threads, METH_NOARGS, "has_threads() -> bool: built with OpenMP"},
+    {"build_info", gefen_py_build_info, METH_NOARGS,
+     "build_info() -> dict: distribution, version, compiler, flags, OpenMP, CUDA of this build"},
+    {"simd_path", gefen_py_simd_path, METH_NOARGS,
+     "simd_path() -> 'avx512', 'avx2' or 'portable': the element kernels chosen on this CPU"},
+    {"default_threads", gefen_py_default_threads, METH_NOARGS,
+     "default_threads() -> int: threads of a core call with nthreads=0 (OpenMP's default)"},
     {"built_with_cuda", gefen_py_built_with_cuda, METH_NOARGS,
      "built_with_cuda() -> bool: the CUDA kernels are compiled in"},
     {"cuda_available", gefen_py_cuda_available, METH_NOARGS,
@@ -304,10 +339,12 @@ static PyMethodDef module_methods[] = {
     {"period_candidates", py_period_candidates, METH_VARARGS,
      "period_candidates(cols, numel) -> list of candidate periods"},
     {"period_stats", gefen_py_period_stats, METH_VARARGS,
-     "period_stats(name, grad, candidates, sums, counts, nthreads=0, stream=None): add "
-     "phase-1 statistics"},
+     "period_stats(name, grad, candidates, stats, nthreads=0, stream=None): add the exact "
+     "phase-1 statistics (int64, PERIOD_STAT_WIDTH per candidate)"},
     {"period_choose", py_period_choose, METH_VARARGS,
-     "period_choose(cols, numel, ndim, candidates, sums, counts) -> period"},
+     "period_choose(cols, numel, ndim, candidates, stats) -> period"},
+    {"exact_sum", py_exact_sum, METH_O,
+     "exact_sum(values) -> float: exact sum of finite non-negative float64 values, rounded once"},
     {"histogram", gefen_py_histogram, METH_VARARGS,
      "histogram(name, grad, period, hist, nthreads=0, stream=None): add the block-normalised "
      "histogram"},
@@ -319,18 +356,6 @@ static PyMethodDef module_methods[] = {
      "codes_remap(codes, map, nthreads=0, stream=None): codes[i] = map[codes[i]]"},
     {"sr_uniform", py_sr_uniform, METH_VARARGS,
      "sr_uniform(seed, global_index) -> the stochastic-rounding variate"},
-    {"adam_validate", KW(gefen_py_adam_validate),
-     "adam_validate(items): every check of adam_update, touching nothing"},
-    {"adam_factored_stats", KW(gefen_py_adam_factored_stats),
-     "adam_factored_stats(items, nthreads=0, stream=None): factored phase 1 of a Gefen step"},
-    {"adam_update", KW(gefen_py_adam_update),
-     "adam_update(items, quantizer, nthreads=0, stream=None, device_table=None): the fused "
-     "Gefen update"},
-    {"muon_validate", KW(gefen_py_muon_validate),
-     "muon_validate(items): every check of muon_momentum, touching nothing"},
-    {"muon_momentum", KW(gefen_py_muon_momentum),
-     "muon_momentum(items, quantizer, nthreads=0, stream=None, device_table=None): GefenMuon's "
-     "quantised momentum"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {
@@ -339,12 +364,17 @@ static struct PyModuleDef module_def = {
     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__C(void) {
-  if (PyType_Ready(&GefenQuantizer_Type) < 0) return NULL;
+  if (!GefenQuantizer_Type) {
+    GefenQuantizer_Type = (PyTypeObject *)PyType_FromSpec(&quantizer_spec);
+    if (!GefenQuantizer_Type) return NULL;
+  }
   PyObject *m = PyModule_Create(&module_def);
   if (!m) return NULL;
-  if (PyModule_AddObjectRef(m, "Quantizer", (PyObject *)&GefenQuantizer_Type) < 0 ||
+  if (PyModule_AddObjectRef(m, "Quantizer", (PyObject *)GefenQuantizer_Type) < 0 ||
+      gefen_add_step_types(m) < 0 ||
       PyModule_AddIntConstant(m, "CODEBOOK_SIZE", GEFEN_CODEBOOK_SIZE) < 0 ||
       PyModule_AddIntConstant(m, "HIST_BINS", GEFEN_HIST_BINS) < 0 ||
+      PyModule_AddIntConstant(m, "PERIOD_STAT_WIDTH", GEFEN_PERIOD_STAT_WIDTH) < 0 ||
       PyModule_AddIntConstant(m, "QUANT_TABLE_BYTES", (long)sizeof(gefen_quant_table)) < 0) {
     Py_DECREF(m);
     return NULL;

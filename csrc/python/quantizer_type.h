@@ -9,6 +9,7 @@ typedef struct {
   gefen_quantizer *q;
 } GefenQuantizer;
 
-extern PyTypeObject GefenQuantizer_Type;
+/* The Quantizer type; set by the module's init (PyInit__C). */
+extern PyTypeObject *GefenQuantizer_Type;
 
 #endif /* GEFEN_QUANTIZER_TYPE_H */

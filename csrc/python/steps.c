@@ -198,22 +198,22 @@ static int cuda_options(DLDevice device, PyObject *stream_obj, call_options *opt
   } while (0)
 #endif
 
-static int parse_options(PyObject *args, PyObject *kwargs, PyObject **list, PyObject **qobj,
-                         int need_quantizer, call_options *opt) {
-  static char *kw_q[] = {"items", "quantizer", "nthreads", "stream", "device_table", NULL};
-  static char *kw[] = {"items", "nthreads", "stream", NULL};
+/* The run options of a phase: (quantizer,) nthreads=0, stream=None,
+ * device_table=None. */
+static int parse_run_options(PyObject *args, PyObject *kwargs, PyObject **qobj,
+                             call_options *opt) {
+  static char *kw_q[] = {"quantizer", "nthreads", "stream", "device_table", NULL};
+  static char *kw[] = {"nthreads", "stream", NULL};
   PyObject *stream_obj = NULL;
   opt->nthreads = 0;
   opt->table_obj = NULL;
   opt->stream = NULL;
-  if (need_quantizer) {
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!|iOO", kw_q, &PyList_Type, list,
-                                     &GefenQuantizer_Type, qobj, &opt->nthreads, &stream_obj,
-                                     &opt->table_obj))
+  if (qobj) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|iOO", kw_q, GefenQuantizer_Type, qobj,
+                                     &opt->nthreads, &stream_obj, &opt->table_obj))
       return -1;
   } else {
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!|iO", kw, &PyList_Type, list,
-                                     &opt->nthreads, &stream_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|iO", kw, &opt->nthreads, &stream_obj))
       return -1;
   }
   if (stream_obj && stream_obj != Py_None) {
@@ -223,57 +223,167 @@ static int parse_options(PyObject *args, PyObject *kwargs, PyObject **list, PyOb
   return 0;
 }
 
-/* ------------------------------------------------------------ Gefen steps */
+/* ------------------------------------------------------ named step items
+ *
+ * Python hands the extension step items whose fields are read by name
+ * (gefen/_items.py defines them: AdamItem, MuonItem). Every object a parsed
+ * item points into is kept referenced by the plan that parsed it, so the
+ * pointers stay valid for the plan's life. */
 
-/* (name, param, grad, codes, magnitude, vmean, v_row, v_col, col_stats,
- *  row_stats, period, row_offset, global_rows, step, lr, beta1, beta2, eps,
- *  weight_decay, stochastic_round, seed) */
-static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **name,
-                           gefen_view_keep *keep, span *sp, DLDevice *device) {
-  PyObject *name_obj, *p_obj, *g_obj, *codes_obj, *mag_obj, *vmean_obj, *vrow_obj, *vcol_obj,
-      *cstats_obj, *rstats_obj;
-  long long period, row_offset, global_rows, step;
-  unsigned long long seed;
-  int sr;
-  if (!PyTuple_Check(tuple)) {
-    PyErr_SetString(PyExc_TypeError, "a step item must be a tuple");
+/* A field of an item (new reference kept in refs; the returned pointer is
+ * borrowed from there), or NULL with an exception naming the field. */
+static PyObject *item_field(PyObject *item, const char *field, PyObject *refs,
+                            const char *kind) {
+  PyObject *v = PyObject_GetAttrString(item, field);
+  if (!v) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_TypeError, "a %s needs a field '%s'", kind, field);
+    }
+    return NULL;
+  }
+  int rc = PyList_Append(refs, v);
+  Py_DECREF(v);
+  return rc == 0 ? v : NULL;
+}
+
+static int item_int(PyObject *item, const char *field, PyObject *refs, const char *kind,
+                    const char *name, long long *out) {
+  PyObject *v = item_field(item, field, refs, kind);
+  if (!v) return -1;
+  *out = PyLong_AsLongLong(v);
+  if (*out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "parameter '%s': item field '%s' must be an int", name, field);
     return -1;
   }
-  if (!PyArg_ParseTuple(tuple, "UOOOOOOOOOLLLLdddddpK;a Gefen step item", &name_obj, &p_obj,
-                        &g_obj, &codes_obj, &mag_obj, &vmean_obj, &vrow_obj, &vcol_obj,
-                        &cstats_obj, &rstats_obj, &period, &row_offset, &global_rows, &step,
-                        &it->lr, &it->beta1, &it->beta2, &it->eps, &it->weight_decay, &sr,
-                        &seed))
+  return 0;
+}
+
+static int item_double(PyObject *item, const char *field, PyObject *refs, const char *kind,
+                       const char *name, double *out) {
+  PyObject *v = item_field(item, field, refs, kind);
+  if (!v) return -1;
+  *out = PyFloat_AsDouble(v);
+  if (*out == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "parameter '%s': item field '%s' must be a float", name, field);
     return -1;
-  *name = PyUnicode_AsUTF8(name_obj);
-  if (!*name) return -1;
-  gefen_view p, g, v;
-  if (get_param_grad(p_obj, g_obj, &p, &g, keep, *name, "the parameter", &it->dtype) != 0)
+  }
+  return 0;
+}
+
+static int item_bool(PyObject *item, const char *field, PyObject *refs, const char *kind,
+                     int *out) {
+  PyObject *v = item_field(item, field, refs, kind);
+  if (!v) return -1;
+  *out = PyObject_IsTrue(v);
+  return *out < 0 ? -1 : 0;
+}
+
+static int item_name(PyObject *item, PyObject *refs, const char *kind, const char **name) {
+  PyObject *v = item_field(item, "name", refs, kind);
+  if (!v) return -1;
+  if (!PyUnicode_Check(v)) {
+    PyErr_Format(PyExc_TypeError, "a %s's field 'name' must be a str", kind);
     return -1;
-  const int64_t rows = p.rows, cols = p.cols;
+  }
+  *name = PyUnicode_AsUTF8AndSize(v, NULL); /* lives as long as refs holds v */
+  return *name ? 0 : -1;
+}
+
+/* A float32 state tensor of numel elements on dev, or NULL when the field is None. */
+static int item_f32(PyObject *item, const char *field, PyObject *refs, gefen_view_keep *keep,
+                    const char *kind, const char *name, const char *what, int64_t numel,
+                    DLDevice dev, float **out) {
+  gefen_view v;
+  PyObject *obj = item_field(item, field, refs, kind);
+  return obj ? get_f32(obj, &v, keep, name, what, numel, dev, out) : -1;
+}
+
+static int item_f64(PyObject *item, const char *field, PyObject *refs, gefen_view_keep *keep,
+                    const char *kind, const char *name, const char *what, int64_t numel,
+                    DLDevice dev, double **out) {
+  gefen_view v;
+  PyObject *obj = item_field(item, field, refs, kind);
+  return obj ? get_f64(obj, &v, keep, name, what, numel, dev, out) : -1;
+}
+
+static int item_codes(PyObject *item, PyObject *refs, gefen_view_keep *keep, const char *kind,
+                      const char *name, int64_t numel, DLDevice dev, uint8_t **out) {
+  gefen_view v;
+  PyObject *obj = item_field(item, "codes", refs, kind);
+  if (!obj || gefen_view_get(obj, &v, keep, name, "state 'codes'") != 0 ||
+      gefen_view_expect(&v, name, "state 'codes'", kDLUInt, 8, numel, dev) != 0)
+    return -1;
+  *out = (uint8_t *)v.data;
+  return 0;
+}
+
+static int check_period(const char *name, long long period, int64_t cols) {
   if (period < 1 || (cols > 0 && cols % period)) {
-    PyErr_Format(PyExc_ValueError, "parameter '%s': period %lld does not divide %lld", *name,
+    PyErr_Format(PyExc_ValueError, "parameter '%s': period %lld does not divide %lld", name,
                  period, (long long)cols);
     return -1;
   }
+  return 0;
+}
+
+static const char ADAM_KIND[] = "Gefen step item (gefen._items.AdamItem)";
+static const char MUON_KIND[] = "GefenMuon momentum item (gefen._items.MuonItem)";
+
+/* An AdamItem: the local shard of one parameter and its hyper-parameters. */
+static int parse_adam_item(PyObject *item, PyObject *refs, gefen_adam_item *it,
+                           const char **name, gefen_view_keep *keep, span *sp,
+                           DLDevice *device) {
+  const char *K = ADAM_KIND;
+  long long period, row_offset, global_rows, step;
+  unsigned long long seed;
+  if (item_name(item, refs, K, name) != 0) return -1;
+  PyObject *p_obj = item_field(item, "param", refs, K);
+  PyObject *g_obj = p_obj ? item_field(item, "grad", refs, K) : NULL;
+  gefen_view p, g;
+  if (!g_obj || get_param_grad(p_obj, g_obj, &p, &g, keep, *name, "the parameter", &it->dtype))
+    return -1;
+  const int64_t rows = p.rows, cols = p.cols;
+  if (item_int(item, "period", refs, K, *name, &period) != 0 || check_period(*name, period, cols))
+    return -1;
   const int64_t nblocks = rows * (cols / period);
   const DLDevice dev = p.device;
-  if (gefen_view_get(codes_obj, &v, keep, *name, "state 'codes'") != 0) return -1;
-  if (gefen_view_expect(&v, *name, "state 'codes'", kDLUInt, 8, p.numel, dev) != 0) return -1;
-  it->codes = (uint8_t *)v.data;
-  if (get_f32(mag_obj, &v, keep, *name, "state 'magnitude'", nblocks, dev, &it->magnitude))
+  if (item_codes(item, refs, keep, K, *name, p.numel, dev, &it->codes) != 0 ||
+      item_f32(item, "magnitude", refs, keep, K, *name, "state 'magnitude'", nblocks, dev,
+               &it->magnitude) != 0)
     return -1;
   if (!it->magnitude) {
     PyErr_Format(PyExc_ValueError, "parameter '%s': state 'magnitude' is missing", *name);
     return -1;
   }
-  if (get_f32(vmean_obj, &v, keep, *name, "state 'vmean'", nblocks, dev, &it->vmean) ||
-      get_f32(vrow_obj, &v, keep, *name, "state 'v_row'", rows, dev, &it->v_row) ||
-      get_f32(vcol_obj, &v, keep, *name, "state 'v_col'", cols, dev, &it->v_col) ||
-      get_f64(cstats_obj, &v, keep, *name, "factored column statistics", cols + 1, dev,
-              &it->col_stats) ||
-      get_f64(rstats_obj, &v, keep, *name, "factored row statistics", rows, dev, &it->row_stats))
+  if (item_f32(item, "vmean", refs, keep, K, *name, "state 'vmean'", nblocks, dev, &it->vmean) ||
+      item_f32(item, "v_row", refs, keep, K, *name, "state 'v_row'", rows, dev, &it->v_row) ||
+      item_f32(item, "v_col", refs, keep, K, *name, "state 'v_col'", cols, dev, &it->v_col) ||
+      item_f64(item, "col_stats", refs, keep, K, *name, "factored column statistics", cols + 1,
+               dev, &it->col_stats) ||
+      item_f64(item, "row_stats", refs, keep, K, *name, "factored row statistics", rows, dev,
+               &it->row_stats))
     return -1;
+  if (item_int(item, "row_offset", refs, K, *name, &row_offset) ||
+      item_int(item, "global_rows", refs, K, *name, &global_rows) ||
+      item_int(item, "step", refs, K, *name, &step) ||
+      item_double(item, "lr", refs, K, *name, &it->lr) ||
+      item_double(item, "beta1", refs, K, *name, &it->beta1) ||
+      item_double(item, "beta2", refs, K, *name, &it->beta2) ||
+      item_double(item, "eps", refs, K, *name, &it->eps) ||
+      item_double(item, "weight_decay", refs, K, *name, &it->weight_decay) ||
+      item_bool(item, "stochastic_round", refs, K, &it->stochastic_round))
+    return -1;
+  PyObject *seed_obj = item_field(item, "seed", refs, K);
+  if (!seed_obj) return -1;
+  seed = PyLong_AsUnsignedLongLong(seed_obj);
+  if (seed == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "parameter '%s': item field 'seed' must be an int >= 0", *name);
+    return -1;
+  }
   it->param = p.data;
   it->grad = g.data;
   it->rows = rows;
@@ -282,7 +392,6 @@ static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **na
   it->row_offset = row_offset;
   it->global_rows = global_rows;
   it->step = step;
-  it->stochastic_round = sr;
   it->seed = seed;
   sp->begin = (uintptr_t)p.data;
   sp->end = sp->begin + (uintptr_t)(p.numel * (int64_t)gefen_dtype_size(it->dtype));
@@ -290,126 +399,30 @@ static int parse_adam_item(PyObject *tuple, gefen_adam_item *it, const char **na
   return 0;
 }
 
-typedef enum { OP_VALIDATE, OP_STATS, OP_UPDATE } adam_op;
-
-static gefen_status adam_cpu(adam_op op, const gefen_adam_item *items, int64_t n,
-                             const gefen_quantizer *q, int nthreads, gefen_error *err) {
-  switch (op) {
-    case OP_STATS: return gefen_adam_factored_stats(items, n, nthreads, err);
-    case OP_UPDATE: return gefen_adam_update(items, n, q, nthreads, err);
-    default: return gefen_adam_validate(items, n, err);
-  }
-}
-
-static PyObject *run_adam(PyObject *args, PyObject *kwargs, adam_op op) {
-  PyObject *list, *qobj = NULL;
-  call_options opt;
-  if (parse_options(args, kwargs, &list, &qobj, op == OP_UPDATE, &opt) != 0) return NULL;
-  const Py_ssize_t n = PyList_GET_SIZE(list);
-  gefen_adam_item *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *items);
-  const char **names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *names);
-  span *spans = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *spans);
-  gefen_view_keep keep = {NULL};
-  PyObject *result = NULL;
-  if (!items || !names || !spans) {
-    PyErr_NoMemory();
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    DLDevice dev;
-    spans[i].index = i;
-    if (parse_adam_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep, &spans[i],
-                        &dev) != 0 ||
-        check_one_device(&opt, dev, names[i], i) != 0)
-      goto done;
-  }
-  if (check_disjoint(spans, n, names) != 0) goto done;
-  if (n == 0 || op == OP_VALIDATE || opt.device.device_type == kDLCPU) {
-    gefen_error err;
-    gefen_status st;
-    const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = adam_cpu(op, items, n, q, get_nthreads(opt.nthreads), &err);
-    Py_END_ALLOW_THREADS
-    if (st != GEFEN_OK) {
-      raise_core(st, &err, names, n);
-      goto done;
-    }
-  } else {
-#ifdef GEFEN_WITH_CUDA
-    gefen_error err;
-    gefen_status st = GEFEN_OK;
-    const gefen_quant_table *table = NULL;
-    if (op == OP_UPDATE && !(table = device_table(&opt, &keep))) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    WITH_CUDA_DEVICE(&opt, &err, st,
-                     st = op == OP_STATS
-                              ? gefen_cuda_adam_factored_stats(items, n, NULL, 0, opt.stream, &err)
-                              : gefen_cuda_adam_update(items, n, table, NULL, 0, opt.stream, &err));
-    Py_END_ALLOW_THREADS
-    if (st != GEFEN_OK) {
-      raise_core(st, &err, names, n);
-      goto done;
-    }
-#endif
-  }
-  result = Py_NewRef(Py_None);
-done:
-  gefen_view_keep_release(&keep);
-  PyMem_Free(items);
-  PyMem_Free(names);
-  PyMem_Free(spans);
-  return result;
-}
-
-PyObject *gefen_py_adam_validate(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  return run_adam(args, kwargs, OP_VALIDATE);
-}
-
-PyObject *gefen_py_adam_factored_stats(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  return run_adam(args, kwargs, OP_STATS);
-}
-
-PyObject *gefen_py_adam_update(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  return run_adam(args, kwargs, OP_UPDATE);
-}
-
-/* -------------------------------------------------------- Muon momentum */
-
-/* (name, grad, codes, magnitude, out, period, beta, nesterov) */
-static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **name,
-                           gefen_view_keep *keep, DLDevice *device) {
-  PyObject *name_obj, *g_obj, *codes_obj, *mag_obj, *out_obj;
+/* A MuonItem: one matrix's local rows for GefenMuon's momentum. */
+static int parse_muon_item(PyObject *item, PyObject *refs, gefen_muon_item *it,
+                           const char **name, gefen_view_keep *keep, span *sp,
+                           DLDevice *device) {
+  const char *K = MUON_KIND;
   long long period;
-  int nesterov;
-  if (!PyTuple_Check(tuple)) {
-    PyErr_SetString(PyExc_TypeError, "a momentum item must be a tuple");
-    return -1;
-  }
-  if (!PyArg_ParseTuple(tuple, "UOOOOLdp;a GefenMuon momentum item", &name_obj, &g_obj,
-                        &codes_obj, &mag_obj, &out_obj, &period, &it->beta, &nesterov))
-    return -1;
-  *name = PyUnicode_AsUTF8(name_obj);
-  if (!*name) return -1;
   gefen_view g, v;
-  if (get_param_grad(g_obj, NULL, &g, NULL, keep, *name, "the gradient", &it->dtype) != 0)
+  if (item_name(item, refs, K, name) != 0) return -1;
+  PyObject *g_obj = item_field(item, "grad", refs, K);
+  if (!g_obj || get_param_grad(g_obj, NULL, &g, NULL, keep, *name, "the gradient", &it->dtype))
     return -1;
-  if (period < 1 || (g.cols > 0 && g.cols % period)) {
-    PyErr_Format(PyExc_ValueError, "parameter '%s': period %lld does not divide %lld", *name,
-                 period, (long long)g.cols);
+  if (item_int(item, "period", refs, K, *name, &period) != 0 ||
+      check_period(*name, period, g.cols) != 0)
+    return -1;
+  if (item_codes(item, refs, keep, K, *name, g.numel, g.device, &it->codes) != 0 ||
+      item_f32(item, "magnitude", refs, keep, K, *name, "state 'magnitude'",
+               g.rows * (g.cols / period), g.device, &it->magnitude) != 0)
+    return -1;
+  if (!it->magnitude) {
+    PyErr_Format(PyExc_ValueError, "parameter '%s': state 'magnitude' is missing", *name);
     return -1;
   }
-  if (gefen_view_get(codes_obj, &v, keep, *name, "state 'codes'") != 0) return -1;
-  if (gefen_view_expect(&v, *name, "state 'codes'", kDLUInt, 8, g.numel, g.device) != 0)
-    return -1;
-  it->codes = (uint8_t *)v.data;
-  if (get_f32(mag_obj, &v, keep, *name, "state 'magnitude'", g.rows * (g.cols / period),
-              g.device, &it->magnitude))
-    return -1;
-  if (gefen_view_get(out_obj, &v, keep, *name, "the momentum output") != 0) return -1;
+  PyObject *out_obj = item_field(item, "out", refs, K);
+  if (!out_obj || gefen_view_get(out_obj, &v, keep, *name, "the momentum output") != 0) return -1;
   const int out_dt = gefen_view_core_dtype(v.dtype);
   if (out_dt != GEFEN_F32 && out_dt != GEFEN_BF16) {
     PyErr_Format(PyExc_TypeError, "parameter '%s': the momentum output must be float32 or bfloat16",
@@ -419,106 +432,292 @@ static int parse_muon_item(PyObject *tuple, gefen_muon_item *it, const char **na
   if (gefen_view_expect(&v, *name, "the momentum output", v.dtype.code, v.dtype.bits, g.numel,
                         g.device) != 0)
     return -1;
+  if (item_double(item, "beta", refs, K, *name, &it->beta) != 0 ||
+      item_bool(item, "nesterov", refs, K, &it->nesterov) != 0)
+    return -1;
   it->out = v.data;
   it->out_dtype = (gefen_dtype)out_dt;
   it->grad = g.data;
   it->rows = g.rows;
   it->cols = g.cols;
   it->period = period;
-  it->nesterov = nesterov;
+  sp->begin = (uintptr_t)v.data;
+  sp->end = sp->begin + (uintptr_t)(g.numel * (int64_t)gefen_dtype_size(it->out_dtype));
   *device = g.device;
   return 0;
 }
 
-static PyObject *run_muon(PyObject *args, PyObject *kwargs, int validate_only) {
-  PyObject *list, *qobj = NULL;
+/* -------------------------------------------------------------- step plans
+ *
+ * AdamStep(items) / MuonStep(items): every item of one step on one device,
+ * parsed and validated once (device, dtype, shape, contiguity, disjoint
+ * outputs, the core's own checks) before anything runs; the phases then run
+ * on the parsed items without reading a tensor again. A plan keeps every
+ * object it points into alive. */
+
+typedef struct {
+  PyObject_HEAD
+  Py_ssize_t n;
+  void *items; /* gefen_adam_item[n] or gefen_muon_item[n] */
+  const char **names;
+  PyObject *refs; /* list of every object the items point into */
+  gefen_view_keep keep;
+  DLDevice device;
+  int factored; /* AdamStep: some item has the factored form */
+} StepPlan;
+
+typedef int (*parse_fn)(PyObject *item, PyObject *refs, void *it, const char **name,
+                        gefen_view_keep *keep, span *sp, DLDevice *device);
+
+static int parse_adam_any(PyObject *item, PyObject *refs, void *it, const char **name,
+                          gefen_view_keep *keep, span *sp, DLDevice *device) {
+  return parse_adam_item(item, refs, (gefen_adam_item *)it, name, keep, sp, device);
+}
+
+static int parse_muon_any(PyObject *item, PyObject *refs, void *it, const char **name,
+                          gefen_view_keep *keep, span *sp, DLDevice *device) {
+  return parse_muon_item(item, refs, (gefen_muon_item *)it, name, keep, sp, device);
+}
+
+static void plan_dealloc(StepPlan *self) {
+  PyTypeObject *tp = Py_TYPE(self);
+  gefen_view_keep_release(&self->keep);
+  Py_XDECREF(self->refs);
+  PyMem_Free(self->items);
+  PyMem_Free(self->names);
+  PyObject_Free(self);
+  Py_DECREF(tp); /* heap type */
+}
+
+/* Parses and validates every item of `seq` into a new plan of `type`. */
+static PyObject *plan_build(PyTypeObject *type, PyObject *args, PyObject *kwargs, size_t item_size,
+                            parse_fn parse, int is_adam) {
+  static char *kw[] = {"items", NULL};
+  PyObject *seq;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", kw, &seq)) return NULL;
+  PyObject *list = PySequence_List(seq);
+  if (!list) return NULL;
+  const Py_ssize_t n = PyList_Size(list);
+  StepPlan *self = PyObject_New(StepPlan, type);
+  if (!self) {
+    Py_DECREF(list);
+    return NULL;
+  }
+  Py_INCREF(type); /* instances of heap types own a reference to the type */
+  self->n = n;
+  self->items = PyMem_Calloc((size_t)(n > 0 ? n : 1), item_size);
+  self->names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *self->names);
+  self->refs = PyList_New(0);
+  self->keep.capsules = NULL;
+  self->factored = 0;
+  self->device.device_type = kDLCPU;
+  self->device.device_id = 0;
+  span *spans = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *spans);
   call_options opt;
-  if (parse_options(args, kwargs, &list, &qobj, !validate_only, &opt) != 0) return NULL;
-  const Py_ssize_t n = PyList_GET_SIZE(list);
-  gefen_muon_item *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *items);
-  const char **names = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *names);
-  gefen_view_keep keep = {NULL};
-  PyObject *result = NULL;
-  if (!items || !names) {
-    PyErr_NoMemory();
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
+  memset(&opt, 0, sizeof opt);
+  int ok = self->items && self->names && self->refs && spans;
+  if (!ok) PyErr_NoMemory();
+  for (Py_ssize_t i = 0; ok && i < n; i++) {
     DLDevice dev;
-    if (parse_muon_item(PyList_GET_ITEM(list, i), &items[i], &names[i], &keep, &dev) != 0 ||
-        check_one_device(&opt, dev, names[i], i) != 0)
-      goto done;
+    spans[i].index = i;
+    PyObject *item = PyList_GetItem(list, i); /* borrowed */
+    ok = item && parse(item, self->refs, (char *)self->items + (size_t)i * item_size,
+                       &self->names[i], &self->keep, &spans[i], &dev) == 0 &&
+         check_one_device(&opt, dev, self->names[i], i) == 0;
   }
-  if (n == 0 || validate_only || opt.device.device_type == kDLCPU) {
+  if (ok) ok = check_disjoint(spans, n, self->names) == 0;
+  if (ok) {
     gefen_error err;
-    gefen_status st;
-    const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
-    Py_BEGIN_ALLOW_THREADS
-    st = validate_only ? gefen_muon_validate(items, n, &err)
-                       : gefen_muon_momentum(items, n, q, get_nthreads(opt.nthreads), &err);
-    Py_END_ALLOW_THREADS
+    gefen_status st = is_adam ? gefen_adam_validate((const gefen_adam_item *)self->items, n, &err)
+                              : gefen_muon_validate((const gefen_muon_item *)self->items, n, &err);
     if (st != GEFEN_OK) {
-      raise_core(st, &err, names, n);
-      goto done;
+      raise_core(st, &err, self->names, n);
+      ok = 0;
     }
+  }
+  if (ok && n > 0) self->device = opt.device;
+  if (ok && is_adam)
+    for (Py_ssize_t i = 0; i < n; i++)
+      if (!((const gefen_adam_item *)self->items)[i].vmean) self->factored = 1;
+  PyMem_Free(spans);
+  Py_DECREF(list);
+  if (!ok) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  return (PyObject *)self;
+}
+
+static PyObject *adam_step_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  return plan_build(type, args, kwargs, sizeof(gefen_adam_item), parse_adam_any, 1);
+}
+
+static PyObject *muon_step_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  return plan_build(type, args, kwargs, sizeof(gefen_muon_item), parse_muon_any, 0);
+}
+
+typedef enum { PHASE_STATS, PHASE_UPDATE, PHASE_MOMENTUM } plan_phase;
+
+/* Runs one phase of a plan on its device: the core on the CPU, the kernels on CUDA. */
+static PyObject *plan_run(StepPlan *self, PyObject *args, PyObject *kwargs, plan_phase phase) {
+  PyObject *qobj = NULL;
+  call_options opt;
+  if (parse_run_options(args, kwargs, phase == PHASE_STATS ? NULL : &qobj, &opt) != 0)
+    return NULL;
+  opt.device = self->device;
+  const gefen_quantizer *q = qobj ? ((GefenQuantizer *)qobj)->q : NULL;
+  const int64_t n = self->n;
+  gefen_error err;
+  gefen_status st = GEFEN_OK;
+  if (n == 0 || (phase == PHASE_STATS && !self->factored)) Py_RETURN_NONE;
+  if (self->device.device_type == kDLCPU) {
+    const int nt = get_nthreads(opt.nthreads);
+    Py_BEGIN_ALLOW_THREADS
+    switch (phase) {
+      case PHASE_STATS: st = gefen_adam_factored_stats(self->items, n, nt, &err); break;
+      case PHASE_UPDATE: st = gefen_adam_update(self->items, n, q, nt, &err); break;
+      default: st = gefen_muon_momentum(self->items, n, q, nt, &err); break;
+    }
+    Py_END_ALLOW_THREADS
   } else {
 #ifdef GEFEN_WITH_CUDA
-    gefen_error err;
-    gefen_status st = GEFEN_OK;
-    const gefen_quant_table *table = device_table(&opt, &keep);
-    if (!table) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    WITH_CUDA_DEVICE(&opt, &err, st,
-                     st = gefen_cuda_muon_momentum(items, n, table, opt.stream, &err));
-    Py_END_ALLOW_THREADS
-    if (st != GEFEN_OK) {
-      raise_core(st, &err, names, n);
-      goto done;
+    gefen_view_keep keep = {NULL};
+    const gefen_quant_table *table = NULL;
+    if (phase != PHASE_STATS && !(table = device_table(&opt, &keep))) {
+      gefen_view_keep_release(&keep);
+      return NULL;
     }
+    Py_BEGIN_ALLOW_THREADS
+    WITH_CUDA_DEVICE(&opt, &err, st, switch (phase) {
+      case PHASE_STATS:
+        st = gefen_cuda_adam_factored_stats(self->items, n, NULL, 0, opt.stream, &err);
+        break;
+      case PHASE_UPDATE:
+        st = gefen_cuda_adam_update(self->items, n, table, NULL, 0, opt.stream, &err);
+        break;
+      default: st = gefen_cuda_muon_momentum(self->items, n, table, opt.stream, &err); break;
+    });
+    Py_END_ALLOW_THREADS
+    gefen_view_keep_release(&keep);
+#else
+    PyErr_SetString(PyExc_RuntimeError, "this build of gefen has no CUDA kernels");
+    return NULL;
 #endif
   }
-  result = Py_NewRef(Py_None);
-done:
-  gefen_view_keep_release(&keep);
-  PyMem_Free(items);
-  PyMem_Free(names);
-  return result;
+  if (st != GEFEN_OK) {
+    raise_core(st, &err, self->names, n);
+    return NULL;
+  }
+  Py_RETURN_NONE;
 }
 
-PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  return run_muon(args, kwargs, 1);
+static PyObject *adam_step_factored_stats(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  return plan_run(self, args, kwargs, PHASE_STATS);
 }
 
-PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args, PyObject *kwargs) {
-  (void)self;
-  return run_muon(args, kwargs, 0);
+static PyObject *adam_step_update(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  return plan_run(self, args, kwargs, PHASE_UPDATE);
+}
+
+static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  return plan_run(self, args, kwargs, PHASE_MOMENTUM);
+}
+
+static PyObject *plan_len(StepPlan *self, void *closure) {
+  (void)closure;
+  return PyLong_FromSsize_t(self->n);
+}
+
+static PyObject *plan_factored(StepPlan *self, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(self->factored);
+}
+
+#define PLAN_KW(f) (PyCFunction)(void (*)(void))(f), METH_VARARGS | METH_KEYWORDS
+
+static PyMethodDef adam_step_methods[] = {
+    {"factored_stats", PLAN_KW(adam_step_factored_stats),
+     "factored_stats(nthreads=0, stream=None): phase 1 of the factored items (column sums into "
+     "their col_stats, row means into row_stats); reads only. A no-op without factored items."},
+    {"update", PLAN_KW(adam_step_update),
+     "update(quantizer, nthreads=0, stream=None, device_table=None): the fused Gefen update of "
+     "every item (factored items need their reduced col_stats)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMethodDef muon_step_methods[] = {
+    {"momentum", PLAN_KW(muon_step_momentum),
+     "momentum(quantizer, nthreads=0, stream=None, device_table=None): GefenMuon's quantised "
+     "momentum of every item, writing the Newton-Schulz inputs into the items' outputs"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef adam_step_getset[] = {
+    {"size", (getter)plan_len, NULL, "number of items", NULL},
+    {"factored", (getter)plan_factored, NULL, "whether some item has the factored form", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyGetSetDef muon_step_getset[] = {
+    {"size", (getter)plan_len, NULL, "number of items", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot adam_step_slots[] = {
+    {Py_tp_new, (void *)adam_step_new},
+    {Py_tp_dealloc, (void *)plan_dealloc},
+    {Py_tp_methods, adam_step_methods},
+    {Py_tp_getset, adam_step_getset},
+    {Py_tp_doc, (void *)"AdamStep(items): the validated Gefen step of one device (items: "
+                        "gefen._items.AdamItem); run factored_stats() then update()"},
+    {0, NULL}};
+
+static PyType_Slot muon_step_slots[] = {
+    {Py_tp_new, (void *)muon_step_new},
+    {Py_tp_dealloc, (void *)plan_dealloc},
+    {Py_tp_methods, muon_step_methods},
+    {Py_tp_getset, muon_step_getset},
+    {Py_tp_doc, (void *)"MuonStep(items): GefenMuon's validated momentum step of one device "
+                        "(items: gefen._items.MuonItem); run momentum()"},
+    {0, NULL}};
+
+static PyType_Spec adam_step_spec = {"gefen._C.AdamStep", sizeof(StepPlan), 0,
+                                     Py_TPFLAGS_DEFAULT, adam_step_slots};
+static PyType_Spec muon_step_spec = {"gefen._C.MuonStep", sizeof(StepPlan), 0,
+                                     Py_TPFLAGS_DEFAULT, muon_step_slots};
+
+int gefen_add_step_types(PyObject *module) {
+  PyObject *adam = PyType_FromSpec(&adam_step_spec);
+  if (!adam) return -1;
+  int rc = PyModule_AddObjectRef(module, "AdamStep", adam);
+  Py_DECREF(adam);
+  if (rc < 0) return -1;
+  PyObject *muon = PyType_FromSpec(&muon_step_spec);
+  if (!muon) return -1;
+  rc = PyModule_AddObjectRef(module, "MuonStep", muon);
+  Py_DECREF(muon);
+  return rc;
 }
 
 /* ------------------------------------------------- first-step statistics */
 
-/* period_stats(name, grad, candidates, sums, counts, nthreads=0, stream=None):
- * candidates int64 on the CPU; sums/counts float64 on the gradient's device. */
+/* period_stats(name, grad, candidates, stats, nthreads=0, stream=None):
+ * candidates int64 on the CPU; stats int64 of len(candidates) *
+ * PERIOD_STAT_WIDTH on the gradient's device (exact sums, see gefen_core.h). */
 PyObject *gefen_py_period_stats(PyObject *self, PyObject *args) {
   (void)self;
   const char *name;
-  PyObject *g_obj, *c_obj, *s_obj, *n_obj, *stream_obj = Py_None;
+  PyObject *g_obj, *c_obj, *s_obj, *stream_obj = Py_None;
   int nthreads = 0;
-  if (!PyArg_ParseTuple(args, "sOOOO|iO", &name, &g_obj, &c_obj, &s_obj, &n_obj, &nthreads,
-                        &stream_obj))
+  if (!PyArg_ParseTuple(args, "sOOO|iO", &name, &g_obj, &c_obj, &s_obj, &nthreads, &stream_obj))
     return NULL;
   gefen_view_keep keep = {NULL};
   PyObject *result = NULL;
-  gefen_view g, c, s, cnt;
+  gefen_view g, c, s;
   gefen_dtype dt;
   const DLDevice cpu = {kDLCPU, 0};
   if (get_param_grad(g_obj, NULL, &g, NULL, &keep, name, "the gradient", &dt) != 0) goto done;
   if (gefen_view_get(c_obj, &c, &keep, name, "period candidates") != 0 ||
       gefen_view_expect(&c, name, "period candidates", kDLInt, 64, c.numel, cpu) != 0 ||
-      gefen_view_get(s_obj, &s, &keep, name, "period sums") != 0 ||
-      gefen_view_expect(&s, name, "period sums", kDLFloat, 64, c.numel, g.device) != 0 ||
-      gefen_view_get(n_obj, &cnt, &keep, name, "period counts") != 0 ||
-      gefen_view_expect(&cnt, name, "period counts", kDLFloat, 64, c.numel, g.device) != 0)
+      gefen_view_get(s_obj, &s, &keep, name, "period statistics") != 0 ||
+      gefen_view_expect(&s, name, "period statistics", kDLInt, 64,
+                        c.numel * GEFEN_PERIOD_STAT_WIDTH, g.device) != 0)
     goto done;
   {
     gefen_matrix m = {g.data, dt, g.rows, g.cols};
@@ -526,8 +725,8 @@ PyObject *gefen_py_period_stats(PyObject *self, PyObject *args) {
     gefen_status st = GEFEN_OK;
     if (g.device.device_type == kDLCPU) {
       Py_BEGIN_ALLOW_THREADS
-      st = gefen_period_stats(&m, (const int64_t *)c.data, c.numel, (double *)s.data,
-                              (double *)cnt.data, get_nthreads(nthreads), &err);
+      st = gefen_period_stats(&m, (const int64_t *)c.data, c.numel, (int64_t *)s.data,
+                              get_nthreads(nthreads), &err);
       Py_END_ALLOW_THREADS
     } else {
 #ifdef GEFEN_WITH_CUDA
@@ -536,8 +735,8 @@ PyObject *gefen_py_period_stats(PyObject *self, PyObject *args) {
       Py_BEGIN_ALLOW_THREADS
       WITH_CUDA_DEVICE(&opt, &err, st,
                        st = gefen_cuda_period_stats(&m, (const int64_t *)c.data, c.numel,
-                                                    (double *)s.data, (double *)cnt.data, NULL,
-                                                    0, opt.stream, &err));
+                                                    (int64_t *)s.data, NULL, 0, opt.stream,
+                                                    &err));
       Py_END_ALLOW_THREADS
 #endif
     }
@@ -615,11 +814,11 @@ PyObject *gefen_py_codes_remap(PyObject *self, PyObject *args) {
     goto done;
   const uint8_t *map = NULL;
   if (PyBytes_Check(map_obj)) {
-    if (PyBytes_GET_SIZE(map_obj) != GEFEN_CODEBOOK_SIZE) {
+    if (PyBytes_Size(map_obj) != GEFEN_CODEBOOK_SIZE) {
       PyErr_SetString(PyExc_ValueError, "the code map must have 256 entries");
       goto done;
     }
-    map = (const uint8_t *)PyBytes_AS_STRING(map_obj);
+    map = (const uint8_t *)PyBytes_AsString(map_obj);
   } else {
     if (gefen_view_get(map_obj, &mv, &keep, "<codes>", "the code map") != 0 ||
         gefen_view_expect(&mv, "<codes>", "the code map", kDLUInt, 8, GEFEN_CODEBOOK_SIZE,

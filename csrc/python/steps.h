@@ -4,11 +4,8 @@
 
 #include "tensor_view.h"
 
-PyObject *gefen_py_adam_validate(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *gefen_py_adam_factored_stats(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *gefen_py_adam_update(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *gefen_py_muon_validate(PyObject *self, PyObject *args, PyObject *kwargs);
-PyObject *gefen_py_muon_momentum(PyObject *self, PyObject *args, PyObject *kwargs);
+/* Adds the step-plan types AdamStep and MuonStep to the module; -1 on error. */
+int gefen_add_step_types(PyObject *module);
 PyObject *gefen_py_period_stats(PyObject *self, PyObject *args);
 PyObject *gefen_py_histogram(PyObject *self, PyObject *args);
 PyObject *gefen_py_codes_remap(PyObject *self, PyObject *args);

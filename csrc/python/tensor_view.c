@@ -119,7 +119,7 @@ int gefen_view_get(PyObject *obj, gefen_view *v, gefen_view_keep *keep,
     PyErr_Fetch(&type, &value, &tb);
     PyObject *s = value ? PyObject_Str(value) : NULL;
     PyErr_Format(PyExc_TypeError, "parameter '%s': %s is not a readable tensor (%s)", name,
-                 what, s ? PyUnicode_AsUTF8(s) : "unknown error");
+                 what, s ? PyUnicode_AsUTF8AndSize(s, NULL) : "unknown error");
     Py_XDECREF(s);
     Py_XDECREF(type);
     Py_XDECREF(value);
@@ -141,6 +141,12 @@ int gefen_view_get(PyObject *obj, gefen_view *v, gefen_view_keep *keep,
   v->rows = t.ndim >= 1 ? t.shape[0] : 1;
   v->cols = 1;
   for (int d = 1; d < t.ndim; d++) v->cols *= t.shape[d];
+  /* An empty tensor may have no storage (NULL data). The core tells "absent"
+   * (NULL) from "present" (non-NULL) -- a block-form item has a vmean even
+   * when a rank holds no rows of it -- so an empty tensor gets a pointer that
+   * is never dereferenced. */
+  static char empty_storage;
+  if (!v->data && v->numel == 0) v->data = &empty_storage;
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gefen_cuda_common.cuh"
+#include "gefen_xsum.h"
 
 /* ------------------------------------------------- the group reduction */
 
@@ -203,52 +204,46 @@ static inline void emu_muon_momentum(const gefen_muon_item *items, int64_t n, co
 
 template <int DT>
 static inline void emu_period_stats_t(const gefen_matrix *g, const int64_t *cands, int64_t n_cands,
-                               double *sums, double *counts) {
+                               int64_t *stats) {
   const int64_t rows = g->rows, cols = g->cols;
   if (rows == 0 || cols == 0) return;
   for (int64_t k = 0; k < n_cands; k++) {
     const int64_t d = cands[k], nblocks = rows * (cols / d);
-    double total = 0.0;
+    int64_t *out = stats + k * GEFEN_PERIOD_STAT_WIDTH;
     if (d > 1) {
-      const int G = gefen_group_size(d), per_cta = GEFEN_CTA / G;
-      const unsigned nparts = gefen_period_ctas(nblocks, G);
-      std::vector<double> lane(G), slot_sum(per_cta);
-      for (unsigned cta = 0; cta < nparts; cta++) {
-        for (int slot = 0; slot < per_cta; slot++) {
-          double mine = 0.0;
-          for (int64_t b = (int64_t)cta * per_cta + slot; b < nblocks;
-               b += (int64_t)nparts * per_cta) {
-            const int64_t base = b * d;
-            for (int l = 0; l < G; l++) {
-              lane[l] = 0.0;
-              for (int64_t j = l; j < d; j += G) lane[l] = add_sq(lane[l], load_f32<DT>(g->data, base + j));
-            }
-            const double mean = d_div(emu_group_sum(lane.data(), G), (double)d);
-            for (int l = 0; l < G; l++) {
-              lane[l] = 0.0;
-              for (int64_t j = l; j < d; j += G) {
-                const float x = load_f32<DT>(g->data, base + j);
-                const double dv = d_sub((double)f_mul(x, x), mean);
-                lane[l] = d_add(lane[l], d_mul(dv, dv));
-              }
-            }
-            mine = d_add(mine, d_div(emu_group_sum(lane.data(), G), (double)d));
-          }
-          slot_sum[slot] = mine;
+      const int G = gefen_group_size(d);
+      std::vector<double> lane(G);
+      /* exact sums: the CTA and slot a block lands in do not matter */
+      for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t base = b * d;
+        for (int l = 0; l < G; l++) {
+          lane[l] = 0.0;
+          for (int64_t j = l; j < d; j += G) lane[l] = add_sq(lane[l], load_f32<DT>(g->data, base + j));
         }
-        double s = 0.0;
-        for (int k2 = 0; k2 < per_cta; k2++) s = d_add(s, slot_sum[k2]);
-        total = d_add(total, s);
+        const double mean = d_div(emu_group_sum(lane.data(), G), (double)d);
+        for (int l = 0; l < G; l++) {
+          lane[l] = 0.0;
+          for (int64_t j = l; j < d; j += G) {
+            const float x = load_f32<DT>(g->data, base + j);
+            const double dv = d_sub((double)f_mul(x, x), mean);
+            lane[l] = d_add(lane[l], d_mul(dv, dv));
+          }
+        }
+        const double var = d_div(emu_group_sum(lane.data(), G), (double)d);
+        if (!gefen_xsum_accepts(var))
+          out[GEFEN_PERIOD_STAT_NONFINITE]++;
+        else
+          gefen_xsum_add(out, var);
       }
+      (void)gefen_xsum_normalize(out);
     }
-    sums[k] = d_add(sums[k], total);
-    counts[k] = d_add(counts[k], (double)rows * (double)(cols / d));
+    out[GEFEN_PERIOD_STAT_BLOCKS] += nblocks;
   }
 }
 
 static inline void emu_period_stats(const gefen_matrix *g, const int64_t *cands, int64_t n_cands,
-                             double *sums, double *counts) {
-#define EMU(DT) emu_period_stats_t<DT>(g, cands, n_cands, sums, counts)
+                             int64_t *stats) {
+#define EMU(DT) emu_period_stats_t<DT>(g, cands, n_cands, stats)
   GEFEN_DISPATCH_DTYPE(g->dtype, EMU);
 #undef EMU
 }

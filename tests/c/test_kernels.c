@@ -5,7 +5,8 @@
  * - every SIMD version of the block primitives (AVX-512, AVX2) against the
  *   portable one, bit for bit, and the portable one against the quantiser;
  * - dtype conversions against exhaustive / double-precision references;
- * - period candidates and choice, validation errors and their item index. */
+ * - validation errors and their item index.
+ * (The period search has its own tests in test_period.c.) */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -410,61 +411,6 @@ static void test_conversions(void) {
   CHECK(gefen_f32_to_bf16(-0.0f) == 0x8000, "bf16 negative zero");
 }
 
-/* ------------------------------------------------------------ period search */
-
-static void test_periods(void) {
-  int64_t out[64];
-  int64_t n = gefen_period_candidates(12, 48, out, 64);
-  const int64_t want12[] = {1, 2, 3, 4, 6, 12};
-  CHECK(n == 6 && memcmp(out, want12, sizeof want12) == 0, "candidates of 12");
-  n = gefen_period_candidates(12, 12, out, 64); /* d = numel excluded */
-  CHECK(n == 5 && out[4] == 6, "candidates of a 1 x 12 parameter");
-  n = gefen_period_candidates(36, 72, out, 64);
-  const int64_t want36[] = {1, 2, 3, 4, 6, 9, 12, 18, 36};
-  CHECK(n == 9 && memcmp(out, want36, sizeof want36) == 0, "candidates of 36 (square)");
-  CHECK(gefen_period_candidates(7, 1, out, 64) == 0, "numel 1 has no candidates");
-  CHECK(gefen_period_candidates(1000000007LL, 2000000014LL, out, 64) == 2, "a large prime");
-
-  /* S = 48, every block of 16 has its own scale: err(d) = 0 for d | 16, and
-   * blocks of 3, 6, 12 straddle 16-boundaries, so the largest drop of the
-   * error, s(16) = -err(12), is at 16 (the worked case of tests/test_reference.py) */
-  enum { R = 8, S = 48 };
-  static float g[R * S];
-  for (int r = 0; r < R; r++)
-    for (int b = 0; b < S / 16; b++) {
-      const float scale = uniform(0.5f, 3.0f);
-      for (int j = 0; j < 16; j++) g[r * S + b * 16 + j] = scale;
-    }
-  gefen_matrix mat = {g, GEFEN_F32, R, S};
-  n = gefen_period_candidates(S, R * S, out, 64);
-  double sums[64] = {0}, counts[64] = {0};
-  gefen_error err;
-  CHECK(gefen_period_stats(&mat, out, n, sums, counts, 2, &err) == GEFEN_OK, "%s", err.msg);
-  int64_t period = 0;
-  CHECK(gefen_period_choose(S, R * S, 2, out, n, sums, counts, &period, &err) == GEFEN_OK, "%s",
-        err.msg);
-  CHECK(period == 16, "structured gradient: period %lld, expected 16", (long long)period);
-  /* a constant gradient has no structure: the 2-D fallback is the whole row */
-  for (int i = 0; i < R * S; i++) g[i] = 0.5f;
-  memset(sums, 0, sizeof sums);
-  memset(counts, 0, sizeof counts);
-  gefen_period_stats(&mat, out, n, sums, counts, 1, &err);
-  gefen_period_choose(S, R * S, 2, out, n, sums, counts, &period, &err);
-  CHECK(period == S, "no structure, 2-D: period %lld, expected %d", (long long)period, S);
-  gefen_period_choose(S, R * S, 3, out, n, sums, counts, &period, &err);
-  CHECK(period == 48, "no structure, 3-D: largest divisor <= 2048 is 48, got %lld",
-        (long long)period);
-  const int64_t big = 3 * 4096; /* 3-D, S = 12288: the largest divisor <= 2048 is 2048 */
-  int64_t cands_big[1] = {1};
-  double zero[1] = {0}, one[1] = {1};
-  gefen_period_choose(big, 2 * big, 3, cands_big, 1, zero, one, &period, &err);
-  CHECK(period == 2048, "fallback divisor of 12288: %lld", (long long)period);
-  gefen_period_choose(1, 5, 1, NULL, 0, NULL, NULL, &period, &err);
-  CHECK(period == 1, "1-D parameters use period 1");
-  CHECK(gefen_period_stats(&mat, (int64_t[]){5}, 1, sums, counts, 1, &err) == GEFEN_EVALUE,
-        "a candidate that does not divide S is refused");
-}
-
 /* ------------------------------------------------------------ validation */
 
 static void test_validation(void) {
@@ -518,8 +464,6 @@ int main(void) {
   test_simd_blocks();
   printf("test_kernels: dtype conversions\n");
   test_conversions();
-  printf("test_kernels: period search\n");
-  test_periods();
   printf("test_kernels: validation\n");
   test_validation();
   if (failures) {

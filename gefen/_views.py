@@ -1,0 +1,214 @@
+"""How the optimizer sees a parameter: its key, its local shard and its place in the
+global grid (DESIGN.md §1 and §4).
+
+A parameter is a plain tensor (one process, DDP) or a DTensor whose placements are
+``Replicate()`` or ``Shard(0)`` on each mesh dimension (FSDP2: ``(Shard(0),)``; HSDP:
+``(Replicate(), Shard(0))``). Every state tensor that follows the parameter's rows is
+laid out on the parameter's global grid, so a rank holds whole rows ``[row_offset,
+row_offset + local rows)`` and everything downstream reads global facts (shape, rows)
+from the view, never from the local tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._layout import rows_cols
+
+try:  # torch.distributed is optional (some builds have none)
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch without distributed
+    dist = None
+    DTensor = None  # type: ignore[assignment, misc]
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (False when torch has no distributed package)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (no copy, no autograd), else the tensor itself."""
+    if is_dtensor(t):
+        return t._local_tensor
+    return t
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where a parameter's rows live.
+
+    ``mesh`` is None for a plain tensor. ``shard_dim`` is the mesh dimension carrying
+    ``Shard(0)`` (None when the parameter is replicated on every mesh dimension);
+    ``shard_group`` its process group, over which row statistics are reduced.
+    ``primary`` says whether this rank's copy counts in global statistics
+    (replicated copies are counted once: coordinate 0 on every ``Replicate`` dim).
+    """
+
+    mesh: object = None
+    placements: tuple = ()
+    shard_dim: int | None = None
+    shard_group: object = None
+    shard_size: int = 1
+    shard_rank: int = 0
+    primary: bool = True
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_dim is not None and self.shard_size > 1
+
+    def describe(self) -> str:
+        """A stable text of the layout for agreement digests and error messages."""
+        if self.mesh is None:
+            return "local"
+        ranks = self.mesh.mesh.flatten().tolist()
+        return f"mesh{tuple(self.mesh.mesh.shape)}{ranks}:{self.placements}"
+
+
+LOCAL = Layout()
+
+
+def layout_of(p: torch.Tensor, name: str) -> Layout:
+    """The layout of a parameter; ``NotImplementedError`` naming the parameter and the
+    placement for anything but ``Replicate()`` and ``Shard(0)``."""
+    if not is_dtensor(p):
+        return LOCAL
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    shard_dim = None
+    for dim, pl in enumerate(placements):
+        if isinstance(pl, Replicate):
+            continue
+        if type(pl) is Shard and pl.dim == 0 and shard_dim is None:
+            shard_dim = dim
+            continue
+        raise NotImplementedError(
+            f"parameter '{name}': placement {pl} on mesh dimension {dim} (placements "
+            f"{placements}) is not supported; gefen steps parameters that are replicated or "
+            "row-sharded (Shard(0)) on each mesh dimension, e.g. FSDP2 and HSDP"
+        )
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError(f"parameter '{name}': this rank is not part of the parameter's mesh")
+    primary = all(c == 0 for d, c in enumerate(coord) if d != shard_dim)
+    if shard_dim is None:
+        return Layout(mesh, placements, None, None, 1, 0, primary)
+    return Layout(
+        mesh, placements, shard_dim, mesh.get_group(shard_dim), mesh.size(shard_dim),
+        coord[shard_dim], primary,
+    )
+
+
+def row_range(global_rows: int, layout: Layout) -> tuple[int, int]:
+    """``(row_offset, local_rows)`` of this rank: ``torch.chunk`` semantics over the
+    shard dimension, as DTensor's ``Shard(0)`` splits (uneven and empty shards)."""
+    if layout.shard_dim is None:
+        return 0, global_rows
+    chunk = math.ceil(global_rows / layout.shard_size) if global_rows else 0
+    start = min(layout.shard_rank * chunk, global_rows)
+    return start, min(chunk, global_rows - start)
+
+
+@dataclass(eq=False)
+class ParamView:
+    """One parameter as a step sees it.
+
+    ``key`` is the parameter the optimizer holds (an ``nn.Parameter``, possibly a
+    DTensor); ``param``/``grad`` are its local shard and gradient (detached);
+    ``shape`` is the *global* shape and ``row_offset`` the global index of the first
+    local row.
+    """
+
+    key: torch.Tensor
+    name: str
+    group: dict
+    group_index: int
+    index: int
+    param: torch.Tensor
+    grad: torch.Tensor | None
+    shape: torch.Size
+    row_offset: int
+    layout: Layout
+
+    @property
+    def rows(self) -> int:
+        """R: global rows."""
+        return rows_cols(self.shape)[0]
+
+    @property
+    def cols(self) -> int:
+        """S: elements per dim-0 slice."""
+        return rows_cols(self.shape)[1]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_rows(self) -> int:
+        return rows_cols(self.param.shape)[0] if self.param.dim() else 1
+
+
+def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int) -> ParamView:
+    """The view of one parameter (its layout checked, its shard located)."""
+    layout = layout_of(key, name)
+    lp = local(key).detach()
+    g = key.grad
+    if g is not None:
+        if is_dtensor(g):
+            if tuple(g.placements) != tuple(layout.placements) or g.device_mesh != layout.mesh:
+                raise NotImplementedError(
+                    f"parameter '{name}': gradient placements {tuple(g.placements)} differ from "
+                    f"the parameter's {tuple(layout.placements)}; gefen needs the gradient "
+                    "sharded like the parameter (reduce it first)"
+                )
+            g = local(g)
+        elif layout.distributed:
+            raise TypeError(
+                f"parameter '{name}': the parameter is a DTensor but its gradient is a plain "
+                "tensor"
+            )
+        g = g.detach()
+    shape = key.shape
+    offset, nrows = row_range(rows_cols(shape)[0], layout)
+    if layout.distributed and lp.dim() and lp.shape[0] != nrows:
+        raise NotImplementedError(
+            f"parameter '{name}': the local shard has {lp.shape[0]} rows where Shard(0) of "
+            f"{shape[0]} rows over {layout.shard_size} ranks gives {nrows}; gefen supports "
+            "even and torch.chunk-style uneven row shards"
+        )
+    return ParamView(key, name, group, gi, i, lp, g, shape, offset, layout)
+
+
+def make_row_state(view: ParamView, local_state: torch.Tensor, global_shape) -> torch.Tensor:
+    """A state tensor that follows the parameter's rows: a DTensor with the parameter's
+    mesh and placements when the parameter is one, else the local tensor."""
+    if not view.layout.distributed:
+        return local_state
+    return DTensor.from_local(
+        local_state, view.layout.mesh, view.layout.placements, run_check=False,
+        shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
+    )
+
+
+def make_replicated(view: ParamView, t: torch.Tensor) -> torch.Tensor:
+    """A state tensor every rank holds whole (column statistics, the codebook)."""
+    if not view.layout.distributed:
+        return t
+    placements = (Replicate(),) * view.layout.mesh.ndim
+    return DTensor.from_local(t, view.layout.mesh, placements, run_check=False)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))

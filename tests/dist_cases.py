@@ -1,0 +1,416 @@
+"""Cases run on every rank of a spawned gloo group (see dist_harness.py and
+test_sharded.py). Each returns plain data for the test process to assert on.
+
+The oracle of every parity case is the same optimizer on one process: every rank
+builds the full model from one seed, steps a plain-tensor copy with the full
+gradients, and compares it with the sharded run (DESIGN.md §1: sharding does not
+change periods, codebook or — up to reduction order — values).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import gefen
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_mesh(shape: tuple[int, ...], ranks: list[int] | None = None) -> DeviceMesh:
+    """A CPU mesh of ``shape`` over ``ranks`` (default: the whole world); a 2-D one is
+    an HSDP mesh (replicate, shard)."""
+    if ranks is None:
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return DeviceMesh("cpu", torch.tensor(ranks).view(shape))
+
+
+def placements_of(spec: str, ndim: int):
+    """'shard' -> Shard(0) on every dim but the first of an HSDP mesh; 'replicate' ->
+    Replicate() everywhere; 'hsdp' -> (Replicate(), Shard(0))."""
+    if spec == "replicate":
+        return (Replicate(),) * ndim
+    if spec == "hsdp":
+        return (Replicate(), Shard(0))
+    return (Shard(0),) * 1 if ndim == 1 else (Replicate(),) * (ndim - 1) + (Shard(0),)
+
+
+def full_tensors(shapes, seed: int, dtype=torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(shapes):
+        t = torch.randn(s, generator=gen, dtype=torch.float32)
+        if len(s) >= 2:  # rows of different scales: structure for the period search
+            t = t * torch.rand(s[0], *([1] * (len(s) - 1)), generator=gen) * (1 + i)
+        out.append(t.to(dtype))
+    return out
+
+
+def as_full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def build(kind: str, params, options: dict):
+    """An optimizer of ``kind`` over named parameters."""
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    if kind == "gefen":
+        return gefen.Gefen(named, lr=options.get("lr", 3e-3), weight_decay=0.01,
+                           **{k: v for k, v in options.items() if k != "lr"})
+    if kind == "muon":
+        return gefen.GefenMuon(named, lr=options.get("lr", 2e-2),
+                               **{k: v for k, v in options.items() if k != "lr"})
+    if kind == "adamw":
+        return torch.optim.AdamW(named, lr=options.get("lr", 3e-3))
+    raise ValueError(kind)
+
+
+def compare_state(ref_opt, opt, ref_params, params) -> dict:
+    """Differences between a one-process optimizer and a sharded one (after gathering):
+    exact equality of the discrete state, the largest differences of the rest."""
+    out = {"periods_equal": True, "codebook_equal": True, "codes_equal_frac": 1.0,
+           "max_param_diff": 0.0, "max_state_diff": 0.0, "steps_equal": True}
+    codes_total = codes_same = 0
+    for rp, p in zip(ref_params, params):
+        out["max_param_diff"] = max(out["max_param_diff"], float((as_full(p).float() - rp.float()).abs().max()))
+        rs, st = ref_opt.state.get(rp, {}), opt.state.get(p, {})
+        if set(rs) != set(st):
+            out["keys"] = (sorted(rs), sorted(st))
+            out["periods_equal"] = False
+            continue
+        for k, v in rs.items():
+            w = st[k]
+            if not isinstance(v, torch.Tensor):
+                if k in ("period",):
+                    out["periods_equal"] &= v == w
+                elif k in ("step", "global_step"):
+                    out["steps_equal"] &= v == w
+                continue
+            wf = as_full(w)
+            if k == "codebook":
+                out["codebook_equal"] &= torch.equal(v, wf.cpu())
+            elif k == "codes":
+                codes_total += v.numel()
+                codes_same += int((v == wf).sum())
+            else:
+                if v.shape != wf.shape:
+                    out["shape_mismatch"] = (k, tuple(v.shape), tuple(wf.shape))
+                    continue
+                out["max_state_diff"] = max(out["max_state_diff"], float((v - wf).abs().max()) if v.numel() else 0.0)
+    if codes_total:
+        out["codes_equal_frac"] = codes_same / codes_total
+    return out
+
+
+def parity(rank, world, kind, shapes, spec, steps, options, mesh_shape=None, dtype="float32"):
+    """``kind`` on DTensor parameters placed by ``spec`` vs the one-process run."""
+    dt = getattr(torch, dtype)
+    mesh_shape = mesh_shape or (world,)
+    mesh = make_mesh(tuple(mesh_shape))
+    full = full_tensors(shapes, seed=1, dtype=dt)
+    ref_params = [torch.nn.Parameter(t.clone()) for t in full]
+    params = [
+        torch.nn.Parameter(distribute_tensor(t.clone(), mesh, placements_of(spec, mesh.ndim)))
+        for t in full
+    ]
+    ref_opt, opt = build(kind, ref_params, options), build(kind, params, options)
+    for step in range(steps):
+        grads = full_tensors(shapes, seed=100 + step, dtype=dt)
+        for rp, p, g in zip(ref_params, params, grads):
+            rp.grad = g.clone()
+            p.grad = distribute_tensor(g.clone(), mesh, p.placements)
+        ref_opt.step()
+        opt.step()
+    res = compare_state(ref_opt, opt, ref_params, params)
+    res["collectives_last_step"] = opt.comm_stats.collectives if hasattr(opt, "comm_stats") else None
+    res["comm_kinds_last_step"] = dict(opt.comm_stats.by_kind) if hasattr(opt, "comm_stats") else None
+    res["local_rows"] = [tuple(p.to_local().shape) for p in params]
+    return res
+
+
+# ------------------------------------------------------------- layouts
+
+
+def mixed_meshes(rank, world, kind, options):
+    """Parameters on two meshes at once (a 1-D mesh over the world and an HSDP 2-D
+    mesh over the same ranks) and one plain tensor, vs one process."""
+    m1 = make_mesh((world,))
+    m2 = make_mesh((2, world // 2))
+    shapes = [(6, 4), (5, 8), (9, 4)]
+    full = full_tensors(shapes, seed=3)
+    ref_params = [torch.nn.Parameter(t.clone()) for t in full]
+    params = [
+        torch.nn.Parameter(distribute_tensor(full[0].clone(), m1, (Shard(0),))),
+        torch.nn.Parameter(distribute_tensor(full[1].clone(), m2, (Replicate(), Shard(0)))),
+        torch.nn.Parameter(full[2].clone()),  # plain: replicated like DDP
+    ]
+    ref_opt, opt = build(kind, ref_params, options), build(kind, params, options)
+    for step in range(3):
+        grads = full_tensors(shapes, seed=200 + step)
+        for rp, p, g in zip(ref_params, params, grads):
+            rp.grad = g.clone()
+            p.grad = distribute_tensor(g.clone(), p.device_mesh, p.placements) if isinstance(p, DTensor) else g.clone()
+        ref_opt.step()
+        opt.step()
+    return compare_state(ref_opt, opt, ref_params, params)
+
+
+def subgroup_mesh(rank, world, kind):
+    """An optimizer whose mesh covers ranks 0 and 1 only; the other ranks never step
+    it (its agreement group is created among the members alone)."""
+    mesh = make_mesh((2,), ranks=[0, 1])  # every rank constructs the mesh
+    if rank > 1:
+        return None
+    shapes = [(5, 4), (3, 6)]
+    full = full_tensors(shapes, seed=4)
+    ref_params = [torch.nn.Parameter(t.clone()) for t in full]
+    params = [torch.nn.Parameter(DTensor.from_local(t.clone().chunk(2)[rank] if t.shape[0] > 1 else t.clone(), mesh, (Shard(0),), run_check=False, shape=t.shape, stride=t.stride())) for t in full]
+    ref_opt, opt = build(kind, ref_params, {}), build(kind, params, {})
+    for step in range(2):
+        grads = full_tensors(shapes, seed=300 + step)
+        for rp, p, g in zip(ref_params, params, grads):
+            rp.grad = g.clone()
+            p.grad = DTensor.from_local(g.clone().chunk(2)[rank], mesh, (Shard(0),), run_check=False, shape=g.shape, stride=g.stride())
+        ref_opt.step()
+        opt.step()
+    return compare_state(ref_opt, opt, ref_params, params)
+
+
+def unsupported_placement(rank, world):
+    """Shard(1) is refused with NotImplementedError naming the parameter and placement."""
+    mesh = make_mesh((world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, (Shard(1),)))
+    try:
+        gefen.Gefen([("w", p)], lr=1e-3)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+# ------------------------------------------------------------ failures
+
+
+def _sharded_params(mesh, shapes, seed):
+    return [torch.nn.Parameter(distribute_tensor(t, mesh, (Shard(0),))) for t in full_tensors(shapes, seed)]
+
+
+def _snapshot(opt, params):
+    snap = {"params": [p.to_local().clone() for p in params], "state": {}, "global_step": opt._global_step}
+    for i, p in enumerate(params):
+        st = opt.state.get(p, {})
+        snap["state"][i] = {k: (v.to_local().clone() if isinstance(v, DTensor) else
+                                v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    return snap
+
+
+def _unchanged(opt, params, snap) -> bool:
+    now = _snapshot(opt, params)
+    if now["global_step"] != snap["global_step"]:
+        return False
+    if not all(torch.equal(a, b) for a, b in zip(now["params"], snap["params"])):
+        return False
+    for i in snap["state"]:
+        a, b = snap["state"][i], now["state"][i]
+        if set(a) != set(b):
+            return False
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                if not torch.equal(a[k], b[k]):
+                    return False
+            elif a[k] != b[k]:
+                return False
+    return True
+
+
+def divergence(rank, world, what, kind="gefen"):
+    """One rank builds a different optimizer (order, shape, option) or gives gradients
+    to different parameters: every rank raises the same RankDivergenceError before
+    anything changes (after one good step, so there is state to protect)."""
+    mesh = make_mesh((world,))
+    shapes = [(6, 4), (4, 8)]
+    params = _sharded_params(mesh, shapes, seed=5)
+    named = [("a", params[0]), ("b", params[1])]
+    options = {}
+    if rank == 1 and what == "order":
+        named = named[::-1]
+    if rank == 1 and what == "option":
+        options = {"factored": False} if kind == "gefen" else {"sharded_mode": "approx"}
+    opt = (gefen.Gefen(named, lr=1e-3, **options) if kind == "gefen"
+           else gefen.GefenMuon(named, lr=1e-2, **options))
+    first_error = None
+    if what in ("order", "option"):  # differs from the start: the first step raises
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)), mesh, (Shard(0),))
+        snap = _snapshot(opt, params)
+        try:
+            opt.step()
+        except Exception as exc:
+            first_error = (type(exc).__name__, str(exc))
+        return {"error": first_error, "unchanged": _unchanged(opt, params, snap)}
+    # what == "grad": the same optimizer, but rank 1 gives no gradient to "b"
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)), mesh, (Shard(0),))
+    opt.step()
+    snap = _snapshot(opt, params)
+    if rank == 1:
+        params[1].grad = None
+    try:
+        opt.step()
+    except Exception as exc:
+        first_error = (type(exc).__name__, str(exc))
+    return {"error": first_error, "unchanged": _unchanged(opt, params, snap)}
+
+
+def rank_fails(rank, world, where, kind="gefen"):
+    """One rank fails inside step (a bad gradient, or an error in the statistics phase):
+    every rank raises, nobody hangs, nothing changes."""
+    mesh = make_mesh((world,))
+    params = _sharded_params(mesh, [(6, 4), (4, 8)], seed=6)
+    opt = (gefen.Gefen([("a", params[0]), ("b", params[1])], lr=1e-3) if kind == "gefen"
+           else gefen.GefenMuon([("a", params[0]), ("b", params[1])], lr=1e-2))
+    gen = torch.Generator().manual_seed(10)
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, (Shard(0),))
+    opt.step()
+    for p in params:
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, (Shard(0),))
+    snap = _snapshot(opt, params)
+    if rank == 1 and where == "grad":  # a gradient not sharded like its parameter
+        params[1].grad = DTensor.from_local(torch.randn(params[1].shape), mesh, (Replicate(),), run_check=False)
+    if rank == 1 and where == "stats":
+        from gefen import _C
+
+        class Broken:
+            def __init__(self, items):
+                self._plan = _C.AdamStep(items)
+
+            def factored_stats(self, *a):
+                raise RuntimeError("simulated failure in the statistics phase")
+
+            def update(self, *a):
+                self._plan.update(*a)
+
+        import gefen.gefen as gg
+        gg._C = type("C", (), {"AdamStep": Broken})
+    try:
+        opt.step()
+        error = None
+    except Exception as exc:
+        error = (type(exc).__name__, str(exc))
+    finally:
+        if where == "stats":
+            import gefen.gefen as gg
+            from gefen import _C
+            gg._C = _C
+    return {"error": error, "unchanged": _unchanged(opt, params, snap)}
+
+
+# --------------------------------------------------------------- FSDP2
+
+
+def _tiny_gpt(seed: int = 0):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import _common as C
+
+    torch.manual_seed(seed)
+    return C.char_transformer(n_layer=2, d_model=32, n_head=2, ctx=16)
+
+
+def _batch(step: int):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, 256, (4, 16), generator=gen)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _make_opt(kind: str, model):
+    if kind == "gefen":
+        return gefen.Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.1)
+    if kind == "gefen-block":
+        return gefen.Gefen(model.named_parameters(), lr=3e-3, weight_decay=0.1, factored=False)
+    if kind.startswith("hybrid"):
+        return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer=kind.split("-")[1],
+                                     sharded_mode="exact")
+    raise ValueError(kind)
+
+
+def fsdp_training(rank, world, kind, steps, mesh_shape=None):
+    """A small GPT under FSDP2 (per block and root) vs the same model on one process,
+    identical batches on every rank: losses and parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = _tiny_gpt()
+    model = copy.deepcopy(ref)
+    mesh = make_mesh(tuple(mesh_shape or (world,)))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ref_opt, opt = _make_opt(kind, ref), _make_opt(kind, model)
+    ref_losses, losses = [], []
+    for step in range(steps):
+        for m, o, out in ((ref, ref_opt, ref_losses), (model, opt, losses)):
+            o.zero_grad()
+            loss = _loss(m, step)
+            loss.backward()
+            o.step()
+            out.append(float(loss))
+    diffs = [float((p.full_tensor() - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())]
+    return {"ref_losses": ref_losses, "losses": losses, "max_param_diff": max(diffs)}
+
+
+def fsdp_grads_are_averaged(rank, world):
+    """With identical batches on every rank, FSDP2's reduced gradient equals one
+    process's (NCCL and, in torch 2.13, gloo average); a summing backend would give
+    world_size times it. Gefen's parity tests rely on this."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref = _tiny_gpt()
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh=make_mesh((world,)))
+    _loss(ref, 0).backward()
+    _loss(model, 0).backward()
+    ratios = []
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g, h = p.grad.full_tensor(), q.grad
+        ratios.append(float(g.norm() / h.norm()) if float(h.norm()) > 0 else 1.0)
+    return ratios
+
+
+def fsdp_rebind(rank, world, kind):
+    """An optimizer built from named_parameters() before fully_shard, then rebound to
+    the sharded parameters, trains exactly like one built after fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = _tiny_gpt()
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    opt_a = _make_opt(kind, a)  # before sharding: plain parameters
+    mesh = make_mesh((world,))
+    for m in (a, b):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt_a.rebind(a)
+    opt_b = _make_opt(kind, b)
+    for step in range(3):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(a.parameters(), b.parameters()))
+    try:  # after a step: refused, nothing changes
+        opt_a.rebind(a)
+        late = None
+    except RuntimeError as exc:
+        late = str(exc)
+    return {"same": same, "late": late, "dtensors": all(isinstance(p, DTensor) for g in opt_a.param_groups for p in g["params"])}
