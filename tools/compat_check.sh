@@ -16,6 +16,8 @@
 #   GEFEN_CUDA            passed to the build (default here: 0, the CPU kernels only, since
 #                         the suite runs on the CPU; set 1 to also compile the CUDA kernels)
 #   GEFEN_OPENMP=0        passed to the build: the suite on the single-threaded core
+#   GEFEN_WHEEL=PATH      install this wheel instead of building (e.g. the one CI built
+#                         next to torch 2.13.0): one build, tested on every version
 #
 # Prints one line per version (pytest's summary and the wall time) and exits non-zero when
 # any version fails. Not part of .ci/run: CUDA builds of torch are multi-GB installs.
@@ -62,8 +64,15 @@ for v in "${VERSIONS[@]}"; do
      | tar --null -cf - -T -) | tar -xf - -C "$src"
   # a reused venv may hold an earlier build (or the distribution's former name)
   "$venv/bin/python" -m pip uninstall -q -y gefen-optim gefen > /dev/null 2>&1 || true
-  "$venv/bin/python" -m pip install -q --no-build-isolation -e "$src" > "$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log"; exit 1; }
+  if [ -n "${GEFEN_WHEEL:-}" ]; then
+    # the given wheel, as CI tests it: the tests from the tree, gefen only from the wheel
+    "$venv/bin/python" -m pip install -q --no-deps "$GEFEN_WHEEL" > "$WORK/build.log" 2>&1 \
+      || { tail -40 "$WORK/build.log"; exit 1; }
+    rm -rf "$src/gefen"
+  else
+    "$venv/bin/python" -m pip install -q --no-build-isolation -e "$src" > "$WORK/build.log" 2>&1 \
+      || { tail -40 "$WORK/build.log"; exit 1; }
+  fi
 
   got=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
   build=$(cd "$src" && "$venv/bin/python" -c 'from gefen import _C
