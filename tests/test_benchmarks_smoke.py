@@ -1,7 +1,10 @@
-"""The benchmark scripts run end to end (their --quick modes), so they cannot rot.
-They measure nothing here; the real numbers come from running them by hand."""
+"""The benchmark scripts run end to end in their --quick modes and report what they say
+they measure: every requested row, positive times, byte counts that follow the formulas
+(ALGORITHM.md §4; step_time.py's bytes moved per step). The real numbers come from
+running them by hand."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,29 +12,115 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
 
 
-@pytest.mark.parametrize(
-    "script, extra",
-    [
-        ("loss_parity.py", ["--optimizers", "adamw,gefen,hybrid-gefen"]),
-        ("memory.py", ["--optimizers", "adamw,gefen,hybrid-gefen"]),
-        ("step_time.py", ["--optimizers", "adamw-fused,gefen", "--dtypes", "fp32"]),
-    ],
-)
-def test_benchmark_quick_mode_runs(script, extra, tmp_path):
+def _run(script, *args, tmp_path):
     out = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--json", str(out), *extra],
+        [sys.executable, os.path.join(BENCH, script), "--quick", "--json", str(out), *args],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["machine"]["gefen"].startswith("0.")
-    if script == "memory.py":
-        per = {x["optimizer"]: x["bytes_per_param"] for x in result["results"]}
-        assert per["adamw"] == pytest.approx(8.0, rel=1e-4) and per["gefen"] < 1.1
-    if script == "loss_parity.py":
-        names = {s["optimizer"] for s in result["summary"]}
-        assert names == {"adamw", "gefen", "hybrid-gefen"}
+    return result
+
+
+def _quick_model_shapes():
+    """Parameter shapes of memory.py's --quick model (built here the same way)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import _common as C
+        import memory
+    finally:
+        sys.path.remove(BENCH)
+    return [tuple(p.shape) for p in C.GPT(memory.QUICK_CFG).parameters()]
+
+
+def test_memory_benchmark_counts_what_the_formulas_give(tmp_path):
+    result = _run("memory.py", "--optimizers", "adamw,gefen,hybrid-gefen", tmp_path=tmp_path)
+    shapes = _quick_model_shapes()
+    n = sum(math.prod(s) for s in shapes)
+    assert result["params"] == n
+    rows = {r["optimizer"]: r for r in result["results"]}
+    assert list(rows) == ["adamw", "gefen", "hybrid-gefen"]
+    for r in rows.values():
+        assert r["params"] == n and r["seconds"] > 0
+        assert r["state_bytes"] == sum(e["bytes"] for e in r["breakdown"].values())
+        assert r["bytes_per_param"] == pytest.approx(r["state_bytes"] / n, rel=1e-12)
+
+    # AdamW: exp_avg and exp_avg_sq are 4 B each per parameter, plus one step scalar each
+    adamw = rows["adamw"]["breakdown"]
+    assert adamw["exp_avg"]["bytes"] == adamw["exp_avg_sq"]["bytes"] == 4 * n
+    assert rows["adamw"]["bytes_per_param"] == pytest.approx(8.0, rel=1e-4)
+
+    # Gefen (factored): 1 B of codes per parameter, one shared 256-entry codebook, and with
+    # the benchmark's i.i.d. gradients whole-row periods: a matrix R x S costs
+    # RS + 4R (magnitudes) + 4R + 4S (v_row, v_col) bytes, a vector of n: 9n (P = 1)
+    gefen_rows = rows["gefen"]["breakdown"]
+    assert gefen_rows["codes"]["bytes"] == n
+    assert gefen_rows["codebook"]["bytes"] == 256 * 4 and gefen_rows["codebook"]["tensors"] == 1
+    matrices = [s for s in shapes if len(s) >= 2]
+    assert gefen_rows["v_row"]["bytes"] == sum(4 * s[0] for s in matrices)
+    assert gefen_rows["v_col"]["bytes"] == sum(4 * math.prod(s[1:]) for s in matrices)
+    formula = 1024 + sum(
+        math.prod(s) + 8 * s[0] + 4 * math.prod(s[1:]) if len(s) >= 2 else 9 * math.prod(s)
+        for s in shapes
+    )
+    assert rows["gefen"]["state_bytes"] == pytest.approx(formula, rel=1e-3)
+    assert rows["gefen"]["verdict"] == "PASS" and rows["gefen"]["bytes_per_param"] <= 1.05
+
+    # the hybrid (Gefen backup): 1 B of codes per parameter in both children, two codebooks
+    hybrid = rows["hybrid-gefen"]["breakdown"]
+    assert hybrid["codes"]["bytes"] == n
+    assert hybrid["codebook"]["bytes"] == 2 * 256 * 4
+    assert 1.0 < rows["hybrid-gefen"]["bytes_per_param"] <= 1.1
+
+
+def test_step_time_benchmark_reports_every_row(tmp_path):
+    result = _run("step_time.py", "--optimizers", "adamw-fused,gefen", "--dtypes", "fp32,bf16",
+                  tmp_path=tmp_path)
+    rows = {(r["set"], r["dtype"], r["optimizer"]): r for r in result["results"]}
+    sizes = list(result["shapes"])
+    assert sizes, result["shapes"]
+    expected = {(s, d, o) for s in sizes for d in ("fp32", "bf16") for o in ("adamw-fused", "gefen")}
+    assert set(rows) == expected and len(result["results"]) == len(expected)
+    for (size, dtype, opt), r in rows.items():
+        n = sum(math.prod(s) for s in result["shapes"][size])
+        assert r["params"] == n
+        assert 0 < r["min_ms"] <= r["median_ms"]
+        # bytes moved per step: read + write the parameter, read the gradient, read + write
+        # the state
+        elt = 4 if dtype == "fp32" else 2
+        assert r["bytes_per_step"] == n * 3 * elt + 2 * r["state_bytes"]
+        assert r["GB_per_s"] == pytest.approx(r["bytes_per_step"] / (r["median_ms"] * 1e6), rel=1e-9)
+        reference = rows[(size, dtype, "adamw-fused")]
+        assert r["ratio"] == pytest.approx(r["median_ms"] / reference["median_ms"], rel=1e-9)
+        per_param = r["state_bytes"] / n
+        if opt == "adamw-fused":  # exp_avg and exp_avg_sq in the parameter's dtype
+            assert per_param == pytest.approx(2 * elt, rel=1e-3)
+        else:
+            assert 1.0 < per_param <= 1.05
+
+
+def test_loss_parity_benchmark_trains_every_optimizer(tmp_path):
+    names = ["adamw", "gefen", "hybrid-gefen"]
+    result = _run("loss_parity.py", "--optimizers", ",".join(names), tmp_path=tmp_path)
+    steps = result["config"]["steps"]
+    runs = {r["optimizer"]: r for r in result["runs"]}
+    assert list(runs) == names  # --quick: one lr per optimizer
+    for r in runs.values():
+        assert not r["diverged"] and r["steps_run"] == steps
+        assert r["train_time_s"] > 0 and r["ms_per_step"] > 0
+        assert set(r["evals"]) == {str(steps // 2), str(steps)}
+        # a byte-level model starts at about ln(256) and must have learned something
+        assert r["final_eval"] == r["evals"][str(steps)] < math.log(256) - 1
+    summary = {s["optimizer"]: s for s in result["summary"]}
+    assert list(summary) == names
+    for name, s in summary.items():
+        assert s["best_eval"] == runs[name]["final_eval"]
+        assert s["ratio_adamw"] == pytest.approx(s["best_eval"] / runs["adamw"]["final_eval"], rel=1e-12)
+    assert summary["adamw"]["verdict"] == "reference"
+    assert all(summary[n]["verdict"] in ("PASS", "MISS") for n in names[1:])

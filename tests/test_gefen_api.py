@@ -6,6 +6,11 @@ import math
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 import gefen
 
@@ -82,7 +87,7 @@ def test_constructor_rejects_bad_hyperparameters(kwargs, exc, match):
 def test_constructor_rejects_bad_params():
     with pytest.raises(ValueError, match="empty parameter list"):
         gefen.Gefen([])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
         gefen.Gefen(torch.nn.Parameter(torch.zeros(3)))
     with pytest.raises(TypeError, match="Tensor"):
         gefen.Gefen([1.0, 2.0])
@@ -90,6 +95,18 @@ def test_constructor_rejects_bad_params():
         gefen.Gefen([("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))])
     with pytest.raises(ValueError, match="floating-point"):
         gefen.Gefen([torch.zeros(3, dtype=torch.int64)])
+
+
+@pytest.mark.parametrize("option", ["foreach", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("make", [
+    lambda **kw: gefen.Gefen([torch.nn.Parameter(torch.zeros(3))], **kw),
+    lambda **kw: gefen.GefenMuon([torch.nn.Parameter(torch.zeros(3, 3))], **kw),
+    lambda **kw: gefen.GefenMuonHybrid(torch.nn.Linear(3, 3), lr=1e-3, **kw),
+], ids=["Gefen", "GefenMuon", "GefenMuonHybrid"])
+def test_torch_optim_options_without_meaning_here_are_not_accepted(make, option):
+    for value in (True, False):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
+            make(**{option: value})
 
 
 def test_named_parameters_and_groups():
@@ -188,26 +205,56 @@ def test_zero_grad_zero_lr_step_learns_nothing():
     assert all(st["step"] == 1 and st["global_step"] == 1 for st in opt.state.values())
 
 
-def test_grad_scaler_inf_step_leaves_everything_untouched():
-    model = _model()
-    opt = gefen.Gefen(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    x, y = _batch(0)
-    for _ in range(2):
+def _gefen_internals(opt):
+    """gefen's own bookkeeping outside the state dict's tensors."""
+    cb = opt._codebook
+    return (None if cb is None else cb.clone()), opt._global_step, opt._quantizer
+
+
+@pytest.mark.parametrize("inf_at", [0, 2], ids=["first_step", "third_step"])
+def test_grad_scaler_inf_step_leaves_everything_untouched(inf_at):
+    """A GradScaler step with an inf gradient leaves the parameters, every state tensor,
+    the shared codebook, the quantiser and the global step as they were (on the first step
+    too: no codebook is learned from it), and the training that follows is bit for bit the
+    training without that step (the unscaled gradients are exact: scales are powers of 2)."""
+    steps = 5
+    model = _model(2)
+    ref_model = copy.deepcopy(model)
+    opt = gefen.Gefen(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref = gefen.Gefen(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for i in range(steps):
+        x, y = _batch(i)
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == inf_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)  # the usual place for gradient clipping
+        params, state = _snapshot(model, opt)
+        internals = _gefen_internals(opt)
+        scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
-    params, state = _snapshot(model, opt)
-    opt.zero_grad()
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-    model[0].weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    for p, q in zip(model.parameters(), params):
-        assert torch.equal(p.detach(), q)
-    _assert_same_state(opt.state_dict(), state)
-    assert scaler.get_scale() == 512.0
+        if i == inf_at:
+            for p, q in zip(model.parameters(), params):
+                assert torch.equal(p.detach(), q)
+            _assert_same_state(opt.state_dict(), state)
+            codebook, global_step, quantizer = _gefen_internals(opt)
+            assert global_step == internals[1] == i
+            assert quantizer is internals[2]
+            assert (codebook is None) == (internals[0] is None) == (i == 0)
+            assert codebook is None or torch.equal(codebook, internals[0])
+            assert scaler.get_scale() == scale / 2
+            continue
+        # the reference never sees the skipped step
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        ref.step()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(p.detach(), q.detach())
+        _assert_same_state(opt.state_dict(), ref.state_dict())
+    assert opt._global_step == ref._global_step == steps - 1
+    assert torch.equal(opt._codebook, ref._codebook)
 
 
 def test_weight_decay_is_decoupled():
@@ -406,9 +453,6 @@ def _corruptions():
     def first(sd):
         return sd["state"][0]
 
-    def mutate(fn):
-        return fn
-
     yield "schema", lambda sd: sd["param_groups"][0].update(gefen_schema=99), "schema version"
     yield "kind", lambda sd: sd["param_groups"][0].update(gefen_kind="adamw"), "optimizer kind"
     yield "groups", lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "parameter groups"
@@ -462,6 +506,62 @@ def test_corrupt_state_dict_is_rejected_and_nothing_changes(name, corrupt, match
     # the optimizer still works and still loads a good state dict
     opt.load_state_dict(good)
     _train(model, opt, 1, start=2)
+
+
+def _matrix_model(seed):
+    """Bias-free: every parameter is 2-D, so GefenMuon can take the whole model."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 32, bias=False), torch.nn.GELU(),
+                               torch.nn.Linear(32, 3, bias=False))
+
+
+# Known bug (main after the named-items merge): load_state_dict calls __setstate__ while
+# self._codebook is still the optimizer's old codebook, and __setstate__ re-points every
+# state["codebook"] at it; self._codebook is set to the loaded one only afterwards. Loading
+# into an optimizer that has stepped therefore leaves state_dict() saving the old codebook.
+# Fix in gefen/_base.py: assign self._codebook = shared before self.__setstate__(...).
+STALE_CODEBOOK = pytest.mark.xfail(
+    strict=True, reason="load_state_dict into a stepped optimizer keeps the old codebook in its state"
+)
+
+
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon], ids=["Gefen", "GefenMuon"])
+@STALE_CODEBOOK
+def test_load_into_a_stepped_optimizer_replaces_its_codebook(cls):
+    model, other = _matrix_model(1), _matrix_model(2)
+    opt, target = cls(model.parameters(), lr=1e-2), cls(other.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    _train(other, target, 1, start=50)  # its own, different codebook
+    assert not torch.equal(opt._codebook, target._codebook)
+    target.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert all(st["codebook"] is target._codebook for st in target.state.values())
+    _assert_same_state(target.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("flatten", [False, pytest.param(True, marks=STALE_CODEBOOK)])
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon], ids=["Gefen", "GefenMuon"])
+def test_dcp_state_dict_helpers_on_one_process(cls, flatten):
+    """torch.distributed.checkpoint's get/set_optimizer_state_dict on a plain Gefen or
+    GefenMuon (the hybrid's are in test_hybrid.py): the loaded copy continues bitwise."""
+    assert not torch.distributed.is_initialized()
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = _matrix_model(5)
+    opt = cls(model.parameters(), lr=5e-3, weight_decay=0.1)
+    _train(model, opt, 2)
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    assert ("state.0.weight.codes" in osd) if flatten else ("0.weight" in osd["state"])
+    twin = _matrix_model(6)
+    twin_opt = cls(twin.parameters(), lr=1.0)
+    if flatten:  # a flattened load restores only keys the live optimizer has (DESIGN.md §5)
+        _train(twin, twin_opt, 1, start=10)
+    twin.load_state_dict(model.state_dict())
+    set_optimizer_state_dict(twin, twin_opt, osd, options=options)
+    assert twin_opt.param_groups[0]["lr"] == 5e-3 and twin_opt._global_step == 2
+    _train(model, opt, 2, start=2)
+    _train(twin, twin_opt, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    _assert_same_state(opt.state_dict(), twin_opt.state_dict())
 
 
 def test_load_into_fresh_optimizer_then_step():

@@ -161,23 +161,32 @@ def test_explicit_lists():
 
 
 @pytest.mark.parametrize(
-    "make, error",
+    "make, error, match",
     [
-        (lambda m: gefen.GefenMuonHybrid([m.norm.weight], [m.conv.weight], lr=LR), ValueError),  # 1-D Muon
-        (lambda m: gefen.GefenMuonHybrid(list(m.parameters()), lr=LR), TypeError),  # no names
-        (lambda m: gefen.GefenMuonHybrid([{"params": list(m.parameters())}], lr=LR), TypeError),
-        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, backup_optimizer="sgd"), ValueError),
-        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, no_decay_substrings="bias"), TypeError),
-        (lambda m: gefen.GefenMuonHybrid(m, [], lr=LR), TypeError),
-        (lambda m: gefen.GefenMuonHybrid([], lr=LR), ValueError),
-        (lambda m: gefen.GefenMuonHybrid(m.named_parameters(remove_duplicate=False), lr=LR), ValueError),
-        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, ns_schedule="tuned7"), ValueError),
-        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, betas=(0.9, 1.0)), ValueError),
-        (lambda m: gefen.GefenMuonHybrid(m), TypeError),  # lr is required
+        (lambda m: gefen.GefenMuonHybrid([m.norm.weight], [m.conv.weight], lr=LR), ValueError,
+         r"only supports 2-D parameters, got shape \(8,\)"),  # 1-D Muon
+        (lambda m: gefen.GefenMuonHybrid(list(m.parameters()), lr=LR), TypeError,
+         "routes by name"),  # no names
+        (lambda m: gefen.GefenMuonHybrid([{"params": list(m.parameters())}], lr=LR), TypeError,
+         "routes by name"),
+        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, backup_optimizer="sgd"), ValueError,
+         "backup_optimizer must be one of .*got 'sgd'"),
+        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, no_decay_substrings="bias"), TypeError,
+         "no_decay_substrings must be a sequence of strings"),
+        (lambda m: gefen.GefenMuonHybrid(m, [], lr=LR), TypeError,
+         "backup_params is only for the explicit"),
+        (lambda m: gefen.GefenMuonHybrid([], lr=LR), ValueError, "empty parameter list"),
+        (lambda m: gefen.GefenMuonHybrid(m.named_parameters(remove_duplicate=False), lr=LR), ValueError,
+         "'out.weight' is the same tensor as 'tokens.weight'"),
+        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, ns_schedule="tuned7"), ValueError,
+         "ns_schedule must be .*got 'tuned7'"),
+        (lambda m: gefen.GefenMuonHybrid(m, lr=LR, betas=(0.9, 1.0)), ValueError,
+         "Invalid beta parameter at index 1"),
+        (lambda m: gefen.GefenMuonHybrid(m), TypeError, "'lr'"),  # lr is required
     ],
 )
-def test_construction_errors(make, error):
-    with pytest.raises(error):
+def test_construction_errors(make, error, match):
+    with pytest.raises(error, match=match):
         make(_model())
 
 
@@ -206,7 +215,7 @@ def test_children_and_options(backup):
     decayed = [g for g in opt.backup.param_groups if g["weight_decay"] != 0.0]
     assert decayed and all(g["weight_decay"] == 0.01 and g["lr"] == LR for g in decayed)
     assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 for g in opt.backup.param_groups)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="routes parameters at construction"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 2))]})
 
 
@@ -264,7 +273,7 @@ def test_param_groups_are_live_and_lr_schedulers_work(backup):
     opt.register_step_post_hook(lambda o, args, kwargs: calls.append(o))
     _train(model, opt, gen, 1)
     assert calls == [opt]
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot be replaced"):
         opt.param_groups = []
 
 
@@ -281,7 +290,7 @@ def test_state_is_a_view_over_both_children(backup):
     assert opt.state[model.conv.weight] is opt.backup.state[model.conv.weight]
     stranger = nn.Parameter(torch.zeros(2))
     assert stranger not in opt.state and opt.state.get(stranger) is None
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="Parameter containing"):  # the key itself
         opt.state[stranger]
 
 
@@ -407,6 +416,22 @@ def test_state_dict_round_trip_continues_identically(backup):
     _train(a, opt_a, ga, 2)
     _train(b, opt_b, gb, 2)
     assert _params_equal(a, b)
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_deepcopy_and_pickle_keep_training_identically(backup):
+    import pickle
+
+    model = _model()
+    opt = gefen.GefenMuonHybrid(model, lr=LR, backup_optimizer=backup)
+    _train(model, opt, torch.Generator().manual_seed(0), 2)
+    twin_model, twin = copy.deepcopy((model, opt))  # one memo: the copy steps the copied model
+    restored = pickle.loads(pickle.dumps(opt))
+    assert [g["lr"] for g in restored.param_groups] == [g["lr"] for g in opt.param_groups]
+    assert restored.muon._global_step == 2
+    _train(model, opt, torch.Generator().manual_seed(4), 2)
+    _train(twin_model, twin, torch.Generator().manual_seed(4), 2)
+    assert _params_equal(model, twin_model)
 
 
 def _bad(sd, fn):

@@ -145,7 +145,7 @@ def test_matches_oracle_several_parameters_with_codebook_refresh():
     assert any(opt.state[p]["period"] < p.shape[1] for p in pa), "no sub-row period exercised"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_matches_oracle_other_dtypes(dtype):
     opt, oracle, pa, pb = _run_against_oracle([(16, 40), (40, 16)], dtype=dtype)
     for p, q in zip(pa, pb):
@@ -235,28 +235,30 @@ def test_signature_and_defaults_are_torch_muons():
 # ------------------------------------------------------------- validation
 
 BAD_HPARAMS = [
-    dict(lr=-1.0),
-    dict(weight_decay=-0.1),
-    dict(momentum=1.0),
-    dict(momentum=-0.1),
-    dict(eps=0.0),
-    dict(ns_steps=0),
-    dict(ns_steps=100),
-    dict(ns_coefficients=(1.0, 2.0)),
-    dict(adjust_lr_fn="bogus"),
-    dict(ns_schedule="tuned5"),
-    dict(ns_schedule=[]),
-    dict(ns_schedule=[(1.0, 2.0, float("nan"))]),
-    dict(normuon_beta2=1.0),
-    dict(normuon_eps=-1.0),
-    dict(sharded_mode="sometimes"),
-    dict(nesterov="yes"),
+    (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+    (dict(momentum=1.0), r"Invalid momentum value: 1.0 \(must lie in \[0, 1\)\)"),
+    (dict(momentum=-0.1), r"Invalid momentum value: -0.1"),
+    (dict(eps=0.0), r"Invalid eps: 0.0 \(must be finite and > 0\)"),
+    (dict(ns_steps=0), r"ns_steps must be an int in \[1, 100\), got 0"),
+    (dict(ns_steps=100), r"ns_steps must be an int in \[1, 100\), got 100"),
+    (dict(ns_coefficients=(1.0, 2.0)), r"ns_coefficients must be three finite floats"),
+    (dict(adjust_lr_fn="bogus"), r"adjust_lr_fn must be one of .*got 'bogus'"),
+    (dict(ns_schedule="tuned5"), r"ns_schedule must be .*got 'tuned5'"),
+    (dict(ns_schedule=[]), r"an explicit ns_schedule must be a list of 1 to 99"),
+    (dict(ns_schedule=[(1.0, 2.0, float("nan"))]), r"ns_schedule\[0\] must be three finite floats"),
+    (dict(normuon_beta2=1.0), r"Invalid normuon_beta2 value: 1.0"),
+    (dict(normuon_eps=-1.0), r"Invalid normuon_eps: -1.0"),
+    (dict(sharded_mode="sometimes"), r"sharded_mode must be one of .*got 'sometimes'"),
+    (dict(nesterov="yes"), r"nesterov must be a bool, got 'yes'"),
 ]
 
 
-@pytest.mark.parametrize("kw", BAD_HPARAMS, ids=[next(iter(k)) + str(i) for i, k in enumerate(BAD_HPARAMS)])
-def test_invalid_hyperparameters(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    "kw, match", BAD_HPARAMS, ids=[next(iter(k)) + str(i) for i, (k, _) in enumerate(BAD_HPARAMS)]
+)
+def test_invalid_hyperparameters(kw, match):
+    with pytest.raises(ValueError, match=match):
         gefen.GefenMuon([torch.nn.Parameter(torch.randn(4, 4))], **kw)
 
 
@@ -414,6 +416,89 @@ def test_sharded_modes_are_the_same_on_one_process():
         assert all(torch.equal(x, y) for x, y in zip(results[0], other))
 
 
+def test_results_do_not_depend_on_the_thread_count():
+    outs = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(300, 257), (40, 600)]]
+            opt = gefen.GefenMuon(params, lr=LR, normuon=True)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            outs.append([p.detach().clone() for p in params] + [opt.state[p]["codes"] for p in params])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_closure_is_evaluated_and_its_loss_returned():
+    p = torch.nn.Parameter(torch.randn(6, 6))
+    opt = gefen.GefenMuon([p], lr=LR)
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        p.grad = torch.ones(6, 6)
+        return torch.tensor(3.0)
+
+    before = p.detach().clone()
+    assert opt.step(closure).item() == 3.0
+    assert calls == [True]  # under enable_grad, as torch.optim does
+    assert opt.state[p]["step"] == 1 and not torch.equal(p.detach(), before)
+
+
+def _muon_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4, bias=False))
+
+
+def _muon_batch(i):
+    gen = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(32, 6, generator=gen)
+    return x, torch.sin(x[:, :4])
+
+
+@pytest.mark.parametrize("inf_at", [0, 2], ids=["first_step", "third_step"])
+def test_grad_scaler_inf_step_leaves_everything_untouched(inf_at):
+    """An inf step under GradScaler changes no parameter, state tensor, codebook or global
+    step (no codebook is learned from it), and the steps after it are bitwise those of a
+    run that never saw it (power-of-2 scales unscale exactly)."""
+    model = _muon_model()
+    ref_model = _muon_model()
+    params, ref_params = list(model.parameters()), list(ref_model.parameters())
+    opt = gefen.GefenMuon(params, lr=LR, normuon=True)
+    ref = gefen.GefenMuon(ref_params, lr=LR, normuon=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for i in range(5):
+        x, y = _muon_batch(i)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == inf_at:
+            params[1].grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        snap = _snapshot(opt, params)
+        codebook = None if opt._codebook is None else opt._codebook.clone()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if i == inf_at:
+            _assert_unchanged(opt, params, snap)  # parameters, state, global step
+            assert (opt._codebook is None) == (codebook is None) == (i == 0)
+            assert codebook is None or torch.equal(opt._codebook, codebook)
+            assert scaler.get_scale() == scale / 2
+            continue
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        ref.step()
+        _assert_unchanged(opt, params, _snapshot(ref, ref_params))
+    assert opt._global_step == ref._global_step == 4
+
+
 def test_lr_scheduler_and_tensor_lr():
     params = [torch.nn.Parameter(torch.randn(6, 6))]
     opt = gefen.GefenMuon(params, lr=torch.tensor(0.1))
@@ -428,6 +513,19 @@ def test_lr_scheduler_and_tensor_lr():
 # ------------------------------------------------------------- checkpoints
 
 
+def _assert_twins_train_identically(opt, params, twin, twin_params, gen, steps):
+    """Both optimizers step on the same gradients; parameters and codes stay bitwise equal."""
+    for _ in range(steps):
+        for p, q in zip(params, twin_params):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(opt.state[p]["codes"], twin.state[q]["codes"])
+
+
 @pytest.mark.parametrize("normuon", [False, True])
 def test_state_dict_round_trip_continues_identically(normuon):
     opt, params, gen = _trained(normuon=normuon, steps=2)
@@ -436,15 +534,19 @@ def test_state_dict_round_trip_continues_identically(normuon):
     other = gefen.GefenMuon(clones, lr=1.0)  # hyper-parameters come from the state dict
     other.load_state_dict(sd)
     assert other.param_groups[0]["lr"] == LR and other.param_groups[0]["normuon"] == normuon
-    for _ in range(2):
-        for p, q in zip(params, clones):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        other.step()
-    for p, q in zip(params, clones):
-        assert torch.equal(p.detach(), q.detach())
-        assert torch.equal(opt.state[p]["codes"], other.state[q]["codes"])
+    _assert_twins_train_identically(opt, params, other, clones, gen, steps=2)
+
+
+def test_deepcopy_and_pickle_keep_training_identically():
+    import copy
+    import pickle
+
+    opt, params, gen = _trained(normuon=True, steps=2, codebook_refresh_every=2)
+    twin_params, twin = copy.deepcopy((params, opt))  # one memo: the copy steps the copies
+    restored = pickle.loads(pickle.dumps(opt))
+    assert restored._global_step == 2 and torch.equal(restored._codebook, opt._codebook)
+    assert twin.param_groups[0]["params"][0] is twin_params[0]
+    _assert_twins_train_identically(opt, params, twin, twin_params, gen, steps=3)  # crosses a refresh
 
 
 def _corrupt(sd, fn):
@@ -457,25 +559,33 @@ def _corrupt(sd, fn):
 
 
 CORRUPTIONS = {
-    "gefen_kind": lambda sd: sd["param_groups"][0].update(gefen_kind="gefen"),
-    "missing_v": lambda sd: sd["state"][1].pop("v"),
-    "negative_v": lambda sd: sd["state"][1].update(v=-sd["state"][1]["v"]),
-    "codes_dtype": lambda sd: sd["state"][0].update(codes=sd["state"][0]["codes"].int()),
-    "magnitude_shape": lambda sd: sd["state"][0].update(magnitude=torch.zeros(1, 1)),
-    "bad_schedule": lambda sd: sd["param_groups"][0].update(ns_schedule="tuned9"),
-    "unknown_key": lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(1)),
+    # name: (corruption, the message load_state_dict must raise)
+    "gefen_kind": (lambda sd: sd["param_groups"][0].update(gefen_kind="gefen"),
+                   "optimizer kind 'gefen', not 'gefen_muon'"),
+    "missing_v": (lambda sd: sd["state"][1].pop("v"), r"'param_groups\[0\]\[1\]'.*missing \['v'\]"),
+    "negative_v": (lambda sd: sd["state"][1].update(v=-sd["state"][1]["v"]),
+                   r"'param_groups\[0\]\[1\]'.*'v' holds negative values"),
+    "codes_dtype": (lambda sd: sd["state"][0].update(codes=sd["state"][0]["codes"].int()),
+                    r"'param_groups\[0\]\[0\]'.*'codes' has dtype torch.int32, expected torch.uint8"),
+    "magnitude_shape": (lambda sd: sd["state"][0].update(magnitude=torch.zeros(1, 1)),
+                        r"'param_groups\[0\]\[0\]'.*'magnitude' has shape \(1, 1\), expected \(6, 1\)"),
+    "bad_schedule": (lambda sd: sd["param_groups"][0].update(ns_schedule="tuned9"),
+                     "ns_schedule must be .*got 'tuned9'"),
+    "unknown_key": (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(1)),
+                    r"'param_groups\[0\]\[0\]'.*unknown keys \['momentum_buffer'\]"),
 }
 
 
 @pytest.mark.parametrize("what", list(CORRUPTIONS))
 def test_bad_state_dict_leaves_optimizer_untouched(what):
+    corrupt, match = CORRUPTIONS[what]
     opt, params, _ = _trained(normuon=True, steps=1)
     good = opt.state_dict()
     other, oparams, _ = _trained(normuon=True, steps=2)
     snap = _snapshot(other, oparams)
     groups_before = [dict(g) for g in other.param_groups]
-    with pytest.raises(ValueError):
-        other.load_state_dict(_corrupt(good, CORRUPTIONS[what]))
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(_corrupt(good, corrupt))
     _assert_unchanged(other, oparams, snap)
     assert [dict(g) for g in other.param_groups] == groups_before
 

@@ -70,7 +70,7 @@ def test_period_trivial_shapes():
     assert ref.choose_period(torch.randn(1, 1, 1)) == 1
     assert ref.choose_period(torch.randn(4, 48), "row") == 48
     assert ref.choose_period(torch.randn(2, 3, 5), "row") == 15
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown period mode 'bogus'"):
         ref.choose_period(torch.randn(4, 48), "bogus")
 
 
@@ -193,7 +193,7 @@ def _check_codebook(C):
 
 
 def test_codebook_empty_raises():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="empty histogram"):
         ref.solve_codebook(torch.zeros(4096, dtype=torch.int64))
 
 
