@@ -325,13 +325,12 @@ def _tensor_nbytes(t: torch.Tensor) -> Tuple[Any, int]:
 def state_breakdown(optimizer) -> Dict[str, Dict[str, Any]]:
     """Per state key (e.g. 'exp_avg', 'codes'): {'bytes', 'tensors', 'dtypes'}.
 
-    Walks every value of ``optimizer.state_dict()['state']`` recursively; a storage shared
-    by several parameters (same data_ptr) is counted once, attributed to the first key that
-    referenced it; ints/floats count 0."""
-    sd = optimizer.state_dict()
+    Walks every value of the live ``optimizer.state`` recursively (``state_dict()`` returns
+    copies); a storage shared by several parameters (same data_ptr) is counted once,
+    attributed to the first key that referenced it; ints/floats count 0."""
     seen = set()
     out: Dict[str, Dict[str, Any]] = {}
-    for pstate in sd["state"].values():
+    for pstate in list(optimizer.state.values()):
         for key, t in _walk_tensors(pstate):
             dk, nb = _tensor_nbytes(t)
             entry = out.setdefault(key, {"bytes": 0, "tensors": 0, "shared_skipped": 0,
@@ -347,7 +346,6 @@ def state_breakdown(optimizer) -> Dict[str, Dict[str, Any]]:
             entry["tensors"] += 1
     for e in out.values():
         e["dtypes"] = ",".join(sorted(e["dtypes"]))
-    del sd
     return out
 
 

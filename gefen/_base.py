@@ -502,10 +502,6 @@ def block_state(view: ParamView, period: int) -> dict:
         "magnitude": make_row_state(
             view, torch.zeros((lrows, nblocks), dtype=torch.float32, device=dev), (rows, nblocks)
         ),
-        # integrity digests, refreshed by state_dict(); live so that PyTorch's flattened
-        # load (which restores only the keys live state has) brings them too
-        "digest_rows": make_row_state(view, torch.zeros(lrows, dtype=torch.int64, device=dev), (rows,)),
-        "digest": make_replicated(view, torch.zeros(2, dtype=torch.int64, device=dev)),
     }
 
 

@@ -98,10 +98,11 @@ def clone_state_tensor(v: torch.Tensor) -> torch.Tensor:
     return v.detach().clone()
 
 
-def export_state(view: ParamView, st: dict) -> dict:
+def export_state(view: ParamView, st: dict, memo: dict | None = None) -> dict:
     """A parameter's state for a state dict: copies of its tensors, its ints, and fresh
-    digests. The digests are also kept in the live state (allocated on first use): a
-    flattened PyTorch load restores only keys the live state already has."""
+    digests. The digests are also kept in the live state from the first state_dict() on
+    (a training run that never saves does not pay for them): PyTorch's flattened load
+    restores only keys the live state already has."""
     fields = {k: local(v) for k, v in st.items() if isinstance(v, torch.Tensor) and k not in DIGEST_KEYS}
     dev = view.param.device
     rows = row_digests(fields, view.row_offset, view.local_rows).to(dev)
@@ -112,7 +113,16 @@ def export_state(view: ParamView, st: dict) -> dict:
     else:
         st[DIGEST_ROWS] = make_row_state(view, rows, (view.rows,))
         st[DIGEST] = make_replicated(view, reps)
-    return {k: (clone_state_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    memo = {} if memo is None else memo  # one copy of a tensor shared by several states
+    out = {}
+    for k, v in st.items():
+        if isinstance(v, torch.Tensor):
+            if id(v) not in memo:
+                memo[id(v)] = clone_state_tensor(v)
+            out[k] = memo[id(v)]
+        else:
+            out[k] = v
+    return out
 
 
 def state_dict(opt) -> dict[str, Any]:
@@ -120,7 +130,7 @@ def state_dict(opt) -> dict[str, Any]:
     for hook in opt._optimizer_state_dict_pre_hooks.values():
         hook(opt)
     update_state_counts(opt)
-    groups, state, index = [], {}, 0
+    groups, state, index, memo = [], {}, 0, {}
     for gi, group in enumerate(opt.param_groups):
         packed = {k: v for k, v in group.items() if k != "params"}
         ids = []
@@ -128,7 +138,7 @@ def state_dict(opt) -> dict[str, Any]:
             st = opt.state.get(p)
             if st:
                 view = make_view(p, param_name(group, gi, i), group, gi, i)
-                state[index] = export_state(view, st)
+                state[index] = export_state(view, st, memo)
             ids.append(index)
             index += 1
         packed["params"] = ids

@@ -254,7 +254,9 @@ def _gefen_layout(opt, view, fields: dict[str, Entry]):
     live = opt.state.get(view.key)
     if live:
         same = (int(live["period"]) == period and ("v_row" in live) == factored and ("v" in live) == normuon)
-        if same:
+        if same:  # the layout is there; make sure the digests are too (a flattened load needs them)
+            if "digest_rows" in fields and "digest_rows" not in live:
+                return lambda: dict(live, **_digest_placeholders(view))
             return None
         raise ValueError(
             f"prepare_load: parameter '{view.name}' already has state of another layout; "
@@ -275,9 +277,20 @@ def _gefen_layout(opt, view, fields: dict[str, Entry]):
         if normuon:
             st["v"] = row_vector(view)
         st["codebook"] = make_replicated(view, torch.zeros(256, dtype=torch.float32, device=dev))
+        st.update(_digest_placeholders(view))
         return st
 
     return allocate
+
+
+def _digest_placeholders(view) -> dict:
+    """Zero digests laid out like the parameter's (filled by the load)."""
+    dev = view.param.device
+    return {
+        "digest_rows": make_row_state(view, torch.zeros(view.local_rows, dtype=torch.int64, device=dev),
+                                      (view.rows,)),
+        "digest": make_replicated(view, torch.zeros(2, dtype=torch.int64, device=dev)),
+    }
 
 
 def _adamw_layout(view, fields: dict[str, Entry]):

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import gefen
+import gefen.dcp
 from gefen.hybrid import HYBRID_SCHEMA
 
 BACKUPS = ["gefen", "adamw"]
@@ -500,9 +501,10 @@ def test_dcp_state_dict_helpers_on_one_process(backup, flatten):
     opt_b = gefen.GefenMuonHybrid(b, lr=1.0, backup_optimizer=backup)
     if flatten:
         # a flattened load restores only the keys the live optimizer already has
-        # (DESIGN.md §5), so give the target its state layout with one step first
-        _train(b, opt_b, torch.Generator().manual_seed(5), 1)
-        b.load_state_dict(a.state_dict())
+        # (DESIGN.md §5): without its layout, the load refuses instead of dropping state
+        with pytest.raises(ValueError, match="holds state for .* but 0 arrived.*prepare_load"):
+            set_optimizer_state_dict(b, opt_b, osd, options=options)
+        gefen.dcp.prepare_load(opt_b, osd)
     set_optimizer_state_dict(b, opt_b, osd, options=options)
     assert [g["lr"] for g in opt_b.param_groups] == [g["lr"] for g in opt_a.param_groups]
     assert opt_b.muon._global_step == opt_a.muon._global_step == 2

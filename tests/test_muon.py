@@ -356,8 +356,7 @@ def test_state_layout(normuon):
     assert group["gefen_kind"] == "gefen_muon" and isinstance(group["gefen_schema"], int)
     for p in params:
         st = opt.state[p]
-        expected = {"step", "global_step", "period", "codes", "magnitude", "codebook",
-                    "digest_rows", "digest"}
+        expected = {"step", "global_step", "period", "codes", "magnitude", "codebook"}
         assert set(st) == (expected | {"v"} if normuon else expected)
         assert isinstance(st["step"], int) and isinstance(st["period"], int) and st["step"] == 2
         assert st["global_step"] == 2
@@ -562,7 +561,7 @@ CORRUPTIONS = {
     # name: (corruption, the message load_state_dict must raise)
     "gefen_kind": (lambda sd: sd["param_groups"][0].update(gefen_kind="gefen"),
                    "optimizer kind 'gefen', not 'gefen_muon'"),
-    "missing_v": (lambda sd: sd["state"][1].pop("v"), r"'param_groups\[0\]\[1\]'.*missing \['v'\]"),
+    "missing_v": (lambda sd: sd["state"][1].pop("v"), r"'param_groups\[0\]\[1\]'.*lacks NorMuon's row moment 'v'"),
     "negative_v": (lambda sd: sd["state"][1].update(v=-sd["state"][1]["v"]),
                    r"'param_groups\[0\]\[1\]'.*'v' holds negative values"),
     "codes_dtype": (lambda sd: sd["state"][0].update(codes=sd["state"][0]["codes"].int()),
