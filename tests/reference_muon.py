@@ -7,8 +7,9 @@ matmul / scale / add operations in bf16 (``torch.optim.Muon`` and gefen fuse the
 ``addmm``), so orthogonalised updates agree within bf16 rounding, not bitwise.
 
 ``quantize=False`` keeps the momentum as a dense fp32 buffer instead: the algorithm
-then is ``torch.optim.Muon``'s (plus the optional NorMuon and schedules), which the
-tests use to show that gefen's Newton–Schulz / learning-rate path is the same algorithm.
+then is ``torch.optim.Muon``'s (plus the optional NorMuon and schedules), which
+test_unquantized_oracle_is_torch_muon compares with torch.optim.Muon; gefen itself has no
+such switch.
 """
 
 from __future__ import annotations
