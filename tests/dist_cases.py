@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -421,17 +422,15 @@ def fsdp_rebind(rank, world, kind):
 
 def _layout_model(layout: str, world: int, mesh_shape=None):
     """The tiny GPT laid out as asked: "plain" (one process or replicas), "fsdp"
-    (Shard(0) per block and root), "hsdp" (a (2, world/2) mesh), "replicate" (every
-    parameter a Replicate() DTensor)."""
+    (Shard(0) per block and root), "hsdp" (a (2, world/2) mesh), "replicate" (FSDP2 on
+    a (world, 1) mesh: every rank holds every row, replicated over the world)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_module
 
     model = _tiny_gpt()
     if layout == "plain":
         return model
     if layout == "replicate":
-        mesh = make_mesh((world,))
-        return distribute_module(model, mesh)  # every parameter replicated
+        mesh_shape = (world, 1)
     mesh = make_mesh(tuple(mesh_shape) if mesh_shape else ((2, world // 2) if layout == "hsdp" else (world,)))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -549,3 +548,149 @@ def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     return a == b
+
+
+def _storage_item(path: str, key: str):
+    """(file, offset, length) of a saved tensor in a DCP checkpoint directory."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(path).read_metadata()
+    for index, info in md.storage_data.items():
+        if index.fqn == key:
+            return os.path.join(path, info.relative_path), info.offset, info.length
+    raise KeyError(key)
+
+
+def dcp_corrupt(rank, world, path, what, kind="gefen", layout="fsdp"):
+    """Damage a checkpoint saved by dcp_save (rank 0, once), then load it into a trained
+    optimizer on every rank: every rank raises, no live state changes."""
+    import glob
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    import gefen.dcp
+
+    if rank == 0:
+        if what == "flip":  # one byte of one row of the codes of a matrix
+            f, off, length = _storage_item(path, "app.optim.state.blocks.0.attn.qkv.weight.codes")
+            codes = torch.load(path + ".ref", weights_only=False)["saved"][("blocks.0.attn.qkv.weight", "codes")]
+            raw = codes.contiguous().view(-1).numpy().tobytes()
+            with open(f, "r+b") as fh:
+                fh.seek(off)
+                item = fh.read(length)
+                at = off + item.index(raw[:256]) + 100  # inside the tensor's data, row 3
+                fh.seek(at)
+                b = fh.read(1)
+                fh.seek(at)
+                fh.write(bytes([b[0] ^ 0x10]))
+        elif what == "truncate":
+            f = sorted(glob.glob(os.path.join(path, "*.distcp")))[0]
+            with open(f, "r+b") as fh:
+                fh.truncate(os.path.getsize(f) // 2)
+        elif what == "missing":
+            os.remove(sorted(glob.glob(os.path.join(path, "*.distcp")))[-1])
+    dist.barrier()
+    model = _layout_model(layout, world)
+    opt = _ckpt_opt(kind, model, {})
+    _train_steps(model, opt, 0, 2)
+    before = _full_state(opt)
+    params_before = [as_full(p).detach().clone() for p in model.parameters()]
+    error = None
+    try:
+        gefen.dcp.prepare_load(opt, path)
+        dcp.load({"app": _App(model, opt, False)}, checkpoint_id=path)
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        error = (type(exc).__name__, str(exc)[:600])
+    after = _full_state(opt)
+    same = before.keys() == after.keys() and all(_same(before[k], after[k]) for k in before)
+    return {"error": error, "optimizer_unchanged": same,
+            "params_unchanged": all(torch.equal(a, as_full(p).detach()) for a, p in zip(params_before, model.parameters()))}
+
+
+def dcp_other_checkpoint(rank, world, path, what):
+    """Loading a checkpoint of another model or another optimizer kind: prepare_load
+    raises the same clear error on every rank, before anything changes."""
+    import gefen.dcp
+
+    if what == "model":
+        model = _tiny_gpt()
+        with torch.no_grad():  # another model: wider blocks
+            model.blocks[0].mlp.fc = torch.nn.Linear(32, 48)
+            model.blocks[0].mlp.proj = torch.nn.Linear(48, 32)
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = make_mesh((world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = _ckpt_opt("gefen", model, {})
+    else:  # a GefenMuonHybrid reading a plain Gefen checkpoint
+        model = _layout_model("fsdp", world)
+        opt = _ckpt_opt("hybrid-gefen", model, {})
+    try:
+        gefen.dcp.prepare_load(opt, path)
+    except ValueError as exc:
+        return {"error": str(exc), "state_empty": not any(opt.state.values())}
+    return {"error": None}
+
+
+def corrupt_in_memory(rank, world, what):
+    """A sharded state dict with a bad value (newer schema, wrong hyper-parameter type,
+    another kind), loaded with set_state_dict on every rank: every rank raises the same
+    error and nothing changes."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _layout_model("fsdp", world)
+    opt = _ckpt_opt("gefen", model, {})
+    _train_steps(model, opt, 0, 2)
+    msd, osd = get_state_dict(model, opt)
+    group = osd["param_groups"][0]
+    if what == "schema":
+        group["gefen_schema"] = 99
+    elif what == "hparam":
+        group["lr"] = "fast"
+    elif what == "kind":
+        group["gefen_kind"] = "gefen_muon"
+    elif what == "one_rank":  # only rank 1's shard of one moment is damaged
+        if rank == 1:
+            st = osd["state"]["blocks.0.attn.qkv.weight"]
+            st["v_row"]._local_tensor[0] = float("nan")
+    before = _full_state(opt)
+    try:
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+        error = None
+    except Exception as exc:
+        error = (type(exc).__name__, str(exc)[:400])
+    after = _full_state(opt)
+    return {"error": error, "unchanged": all(_same(before[k], after[k]) for k in before)}
+
+
+def fresh_load_without_prepare(rank, world, path):
+    """dcp.load into a fresh optimizer without prepare_load: a clear error, not a
+    silent restart of the moments."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _layout_model("fsdp", world)
+    opt = _ckpt_opt("gefen", model, {})
+    try:
+        dcp.load({"app": _App(model, opt, False)}, checkpoint_id=path)
+    except ValueError as exc:
+        return {"error": str(exc), "state_empty": not any(opt.state.values())}
+    return {"error": None}
+
+
+def dcp_fresh_state_dict_changes_nothing(rank, world):
+    """get_optimizer_state_dict on a fresh optimizer (DCP runs a zero step) does not
+    change the later trajectory."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    a, b = _layout_model("fsdp", world), _layout_model("fsdp", world)
+    oa, ob = _ckpt_opt("hybrid-gefen", a, {}), _ckpt_opt("hybrid-gefen", b, {})
+    sd = get_optimizer_state_dict(b, ob)
+    _train_steps(a, oa, 0, 3)
+    _train_steps(b, ob, 0, 3)
+    return {"empty": not sd["state"], "same": all(torch.equal(p.to_local(), q.to_local())
+                                                   for p, q in zip(a.parameters(), b.parameters()))}
