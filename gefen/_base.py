@@ -105,6 +105,13 @@ class _QuantizedOptimizer(Optimizer):
     def _check_group(self, group: dict) -> None:
         """Raise for an invalid hyper-parameter of ``group`` (subclasses extend)."""
 
+    def contract(self):
+        """The frozen, versioned description of this optimizer's state and checkpoint
+        transitions (:class:`gefen.contract.Contract`)."""
+        from .contract import contract_for
+
+        return contract_for(self.KIND, SCHEMA_VERSION)
+
     @property
     def comm_stats(self):
         """Collectives this optimizer issued: ``collectives``/``bytes`` of the last step

@@ -11,7 +11,7 @@ import math
 import torch
 
 #: Version of the state-dict schema written into every parameter group.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:

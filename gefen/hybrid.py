@@ -296,6 +296,14 @@ class GefenMuonHybrid(Optimizer):
             child = self._owner.get(p)
         return child
 
+    def contract(self):
+        """The frozen, versioned description of the hybrid's state (both children's
+        fields) and checkpoint transitions (:class:`gefen.contract.Contract`)."""
+        from ._layout import SCHEMA_VERSION
+        from .contract import contract_for
+
+        return contract_for("gefen_muon_hybrid", SCHEMA_VERSION)
+
     def rebind(self, model: nn.Module) -> None:
         """Point both children at ``model``'s current parameters by fully qualified
         name (e.g. after ``fully_shard(model)``); only before the first step. Both
