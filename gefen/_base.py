@@ -101,6 +101,7 @@ class _QuantizedOptimizer(Optimizer):
             self.param_groups.pop()
             raise
         self.__dict__.setdefault("_header_cache", {}).clear()
+        self.__dict__.setdefault("_layout_cache", {}).clear()
 
     def _check_group(self, group: dict) -> None:
         """Raise for an invalid hyper-parameter of ``group`` (subclasses extend)."""
@@ -131,6 +132,7 @@ class _QuantizedOptimizer(Optimizer):
         new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
         install_rebind(self, new_params)
         self._header_cache = {}
+        self._layout_cache = {}
         self._codebook_copies = {}
 
     # ------------------------------------------------------------ helpers
@@ -140,13 +142,19 @@ class _QuantizedOptimizer(Optimizer):
         return torch.get_num_threads()
 
     def _views(self) -> list[ParamView]:
-        """A view of every parameter with at least one element (global), in group order."""
+        """A view of every parameter with at least one element (global), in group order.
+        Layouts (placements, shard groups, row ranges) are computed once per parameter."""
+        layouts = self.__dict__.setdefault("_layout_cache", {})
         views = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.numel() == 0:
                     continue  # nothing to update, no state
-                views.append(make_view(p, param_name(group, gi, i), group, gi, i))
+                name = param_name(group, gi, i)
+                layout = layouts.get(p)
+                if layout is None:
+                    layout = layouts[p] = layout_of(p, name)
+                views.append(make_view(p, name, group, gi, i, layout))
         return views
 
     def _header(self, lrs: dict[int, float]) -> list[str]:
@@ -468,6 +476,7 @@ class _QuantizedOptimizer(Optimizer):
         if "_comm" not in self.__dict__:
             self._comm = Comm()
         self._header_cache = {}
+        self._layout_cache = {}
         self._codebook_copies = {}
         if codebook is not None:  # state references the codebook: re-share it
             self._codebook_copies[(None, torch.device("cpu"))] = codebook

@@ -48,12 +48,8 @@ PREPARE_HINT = (
 # ------------------------------------------------------------------ digests
 
 
-def _digest(index: int, parts: list[memoryview]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(index.to_bytes(8, "little", signed=True))
-    for part in parts:
-        h.update(part)
-    return int.from_bytes(h.digest(), "little", signed=True)
+def _digest(data) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
@@ -62,16 +58,22 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 
 def row_digests(fields: dict[str, torch.Tensor], row_offset: int, nrows: int) -> torch.Tensor:
     """One digest per local row over every row-following field present (local tensors
-    whose dim 0 is the rows), keyed to the *global* row index."""
-    rows = [_host_bytes(fields[k]) for k in ROW_FIELDS if fields.get(k) is not None]
-    out = torch.empty(nrows, dtype=torch.int64)
-    for i in range(nrows):
-        parts = []
-        for b in rows:
-            n = len(b) // nrows
-            parts.append(b[i * n : (i + 1) * n])
-        out[i] = _digest(row_offset + i, parts)
-    return out
+    whose dim 0 is the rows), keyed to the *global* row index: BLAKE2b of the row's
+    index (int64, little-endian) followed by the row's bytes of each field in
+    :data:`ROW_FIELDS` order."""
+    if nrows == 0:
+        return torch.empty(0, dtype=torch.int64)
+    index = torch.arange(row_offset, row_offset + nrows, dtype=torch.int64)
+    cols = [index.view(torch.uint8).reshape(nrows, 8)]
+    for k in ROW_FIELDS:
+        t = fields.get(k)
+        if t is not None:
+            cols.append(t.detach().cpu().contiguous().reshape(nrows, -1).view(torch.uint8))
+    rows = torch.cat(cols, dim=1)  # one contiguous byte row per parameter row
+    width = rows.shape[1]
+    buf = _host_bytes(rows)
+    return torch.tensor([_digest(buf[i * width : (i + 1) * width]) for i in range(nrows)],
+                        dtype=torch.int64)
 
 
 def replicated_digests(fields: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -79,7 +81,7 @@ def replicated_digests(fields: dict[str, torch.Tensor]) -> torch.Tensor:
     out = []
     for k in REPLICATED_FIELDS:
         t = fields.get(k)
-        out.append(0 if t is None else _digest(-1, [_host_bytes(t)]))
+        out.append(0 if t is None else _digest(_host_bytes(t)))
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -98,21 +100,22 @@ def clone_state_tensor(v: torch.Tensor) -> torch.Tensor:
     return v.detach().clone()
 
 
-def export_state(view: ParamView, st: dict, memo: dict | None = None) -> dict:
+def export_state(view: ParamView, st: dict, memo: dict | None = None, digests: bool = True) -> dict:
     """A parameter's state for a state dict: copies of its tensors, its ints, and fresh
     digests. The digests are also kept in the live state from the first state_dict() on
     (a training run that never saves does not pay for them): PyTorch's flattened load
     restores only keys the live state already has."""
-    fields = {k: local(v) for k, v in st.items() if isinstance(v, torch.Tensor) and k not in DIGEST_KEYS}
-    dev = view.param.device
-    rows = row_digests(fields, view.row_offset, view.local_rows).to(dev)
-    reps = replicated_digests(fields).to(dev)
-    if DIGEST_ROWS in st and local(st[DIGEST_ROWS]).shape == rows.shape:
-        local(st[DIGEST_ROWS]).copy_(rows)
-        local(st[DIGEST]).copy_(reps)
-    else:
-        st[DIGEST_ROWS] = make_row_state(view, rows, (view.rows,))
-        st[DIGEST] = make_replicated(view, reps)
+    if digests or DIGEST_ROWS not in st:  # (state allocated for a load has placeholders)
+        fields = {k: local(v) for k, v in st.items() if isinstance(v, torch.Tensor) and k not in DIGEST_KEYS}
+        dev = view.param.device
+        rows = row_digests(fields, view.row_offset, view.local_rows).to(dev)
+        reps = replicated_digests(fields).to(dev)
+        if DIGEST_ROWS in st and local(st[DIGEST_ROWS]).shape == rows.shape:
+            local(st[DIGEST_ROWS]).copy_(rows)
+            local(st[DIGEST]).copy_(reps)
+        else:
+            st[DIGEST_ROWS] = make_row_state(view, rows, (view.rows,))
+            st[DIGEST] = make_replicated(view, reps)
     memo = {} if memo is None else memo  # one copy of a tensor shared by several states
     out = {}
     for k, v in st.items():
@@ -138,7 +141,8 @@ def state_dict(opt) -> dict[str, Any]:
             st = opt.state.get(p)
             if st:
                 view = make_view(p, param_name(group, gi, i), group, gi, i)
-                state[index] = export_state(view, st, memo)
+                # state prepare_load allocated is a load target: its digests do not matter
+                state[index] = export_state(view, st, memo, digests=not opt.__dict__.get("_prepared"))
             ids.append(index)
             index += 1
         packed["params"] = ids
@@ -340,7 +344,7 @@ def install(opt, checked: dict, convert: Callable[[ParamView, dict, dict], dict]
             if k == "codebook":
                 continue
             if isinstance(v, torch.Tensor):
-                t = v.detach().to(device=view.param.device, copy=True)
+                t = _owned(v.detach(), view.param.device)
                 if k in ROW_FIELDS or k == DIGEST_ROWS:
                     gshape = (view.rows, *t.shape[1:]) if k != "codes" else tuple(view.shape)
                     built[k] = make_row_state(view, t, gshape)
@@ -367,6 +371,12 @@ def install(opt, checked: dict, convert: Callable[[ParamView, dict, dict], dict]
     opt._global_step = checked["global_step"]
     opt._prepared = False
     update_state_counts(opt)
+
+
+def _owned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of a loaded tensor for the live state (never an alias of the caller's
+    state dict, which may be loaded twice), contiguous, on the parameter's device."""
+    return t.to(device=device, copy=True, memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------------------ projections

@@ -83,6 +83,7 @@ class Comm:
     def __init__(self) -> None:
         self.stats = CommStats()
         self._group_ranks: tuple[int, ...] | None = None
+        self._mesh_ids: tuple[int, ...] | None = None
         self._group = None
         self._group_device: torch.device | None = None
 
@@ -104,10 +105,16 @@ class Comm:
     def group(self, params: Sequence[torch.Tensor]):
         """The agreement group: every rank of every mesh of ``params`` (WORLD when that
         is the whole world). Created once, by the member ranks only."""
-        ranks: set[int] = set()
+        meshes = {}
         for p in params:
             if is_dtensor(p):
-                ranks.update(int(r) for r in p.device_mesh.mesh.flatten().tolist())
+                meshes.setdefault(id(p.device_mesh), p.device_mesh)
+        if self._mesh_ids == tuple(meshes):
+            return self._group
+        ranks: set[int] = set()
+        for mesh in meshes.values():
+            ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+        self._mesh_ids = tuple(meshes)
         key = tuple(sorted(ranks))
         if key != self._group_ranks:
             if key == tuple(range(dist.get_world_size())):

@@ -156,14 +156,19 @@ class ParamView:
         return rows_cols(self.param.shape)[0] if self.param.dim() else 1
 
 
-def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int) -> ParamView:
-    """The view of one parameter (its layout checked, its shard located)."""
-    layout = layout_of(key, name)
+def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
+              layout: Layout | None = None) -> ParamView:
+    """The view of one parameter (its layout checked, its shard located); ``layout``:
+    the parameter's layout when the caller has it cached."""
+    if layout is None:
+        layout = layout_of(key, name)
     lp = local(key).detach()
     g = key.grad
     if g is not None:
         if is_dtensor(g):
-            if tuple(g.placements) != tuple(layout.placements) or g.device_mesh != layout.mesh:
+            if tuple(g.placements) != tuple(layout.placements) or (
+                g.device_mesh is not layout.mesh and g.device_mesh != layout.mesh
+            ):
                 raise NotImplementedError(
                     f"parameter '{name}': gradient placements {tuple(g.placements)} differ from "
                     f"the parameter's {tuple(layout.placements)}; gefen needs the gradient "

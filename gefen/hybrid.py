@@ -316,6 +316,7 @@ class GefenMuonHybrid(Optimizer):
             install_rebind(child, params)
             if isinstance(child, _QuantizedOptimizer):
                 child._header_cache = {}
+                child._layout_cache = {}
                 child._codebook_copies = {}
         self._owner = {}
 

@@ -27,6 +27,13 @@ def _roundtrip(gloo_pools, tmp_path, n, m, kind, layout_save, layout_load, optio
     return res
 
 
+def _tolerance(kind: str) -> float:
+    """How far continued training on M ranks may drift from N ranks': FSDP averages the
+    same gradients over another number of ranks (float rounding), and for the Muon family
+    bf16 Newton–Schulz amplifies that."""
+    return 1e-5 if kind == "gefen" else 5e-4
+
+
 def _exact_state(res):
     for r in res:  # the loaded global state is the saved one, bit for bit
         assert r["n_mismatch"] == 0 and not r["extra"], r
@@ -54,7 +61,7 @@ def test_resume_on_another_topology(gloo_pools, tmp_path, n, m, kind, ls, ll, op
     for r in res:
         # continued training equals the uninterrupted run up to the reduction order of
         # the gradients (FSDP averages n vs m ranks' equal gradients) and column sums
-        assert r["final_diff"] <= (1e-4 if "hybrid" in kind or kind == "muon" else 1e-5), r
+        assert r["final_diff"] <= _tolerance(kind), r
 
 
 @pytest.mark.parametrize("kind, options", [("gefen", {}), ("gefen", {"factored": False}),
@@ -157,4 +164,4 @@ def test_matrix(gloo_pools, tmp_path, n, m, kind, options):
     res = _roundtrip(gloo_pools, tmp_path, n, m, kind, ls, ll, options)
     _exact_state(res)
     for r in res:
-        assert r["final_diff"] <= (0.0 if n == m else 1e-4), r
+        assert r["final_diff"] <= (0.0 if n == m else _tolerance(kind)), (r["final_diff"], r)
