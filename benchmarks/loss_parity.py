@@ -83,6 +83,7 @@ def parse_args(argv=None):
         p.add_argument(f"--lrs-{name}", dest=_flag(name), default=None, metavar="LR1,LR2",
                        help=f"override {name}'s grid (default "
                             f"{','.join(f'{x:g}' for x in DEFAULT_LRS[name])})")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the model, data and optimizer)")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run: 20 steps, a 2x64 model, one (middle) lr each")
     p.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
@@ -114,8 +115,8 @@ def lr_grid(a, name: str) -> List[float]:
 
 
 def make_batches(data: torch.Tensor, starts: torch.Tensor, ctx: int):
-    off = torch.arange(ctx + 1)
-    seq = data[starts[:, None] + off].long()
+    off = torch.arange(ctx + 1, device=data.device)
+    seq = data[starts.to(data.device)[:, None] + off].long()
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -141,7 +142,7 @@ def _set_lr(groups, base, f):
 
 def train_one(a, name: str, lr: float, train, val, train_starts, val_starts) -> dict:
     torch.manual_seed(a.seed)
-    model = C.char_transformer(a.layers, a.d_model, a.heads, a.ctx)
+    model = C.char_transformer(a.layers, a.d_model, a.heads, a.ctx).to(a.device)
     opt = C.make_optimizer(name, model, lr=lr, weight_decay=a.weight_decay, betas=a.betas_t)
     groups = list(getattr(opt, "param_groups", []))
     base = [float(g["lr"]) for g in groups]
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"{bad} cannot train this model (2-D-only optimizers); "
                          f"use one of {', '.join(DEFAULT_LRS)}")
     train, val, cinfo = C.load_corpus(int(a.corpus_mb * 1024 * 1024))
-    cfg = {"optimizers": ",".join(names), "steps": a.steps, "batch": a.batch, "ctx": a.ctx,
+    train, val = train.to(a.device), val.to(a.device)
+    cfg = {"device": a.device, "optimizers": ",".join(names), "steps": a.steps, "batch": a.batch, "ctx": a.ctx,
            "layers": a.layers, "d_model": a.d_model, "heads": a.heads,
            "wd": a.weight_decay, "betas": a.betas, "clip": a.clip, "warmup": a.warmup,
            "schedule": a.schedule,

@@ -1,45 +1,83 @@
 #!/usr/bin/env bash
-# One script for a machine with an NVIDIA GPU (sized to finish in under 8 minutes on an
-# H100/H200): build gefen with its CUDA kernels, run the CUDA parity tests, the kernels'
-# bit-exact parity suite, and the CUDA step-time benchmark; print a summary.
-#   bash tools/gpu_check.sh [OUTDIR]       (default OUTDIR: ./gpu_check_out)
-# Needs nvcc and a CUDA build of PyTorch (python3 must import torch with CUDA).
+# Everything gefen checks on a GPU, in one call, most important first (each stage has its
+# own time limit, so the early results come back even if the machine's time runs out):
+#   1. build with the CUDA kernels (sm_90), the CUDA parity tests and the kernels'
+#      bit-exact suite (CUDA vs the C core's emulation on the same inputs);
+#   2. step time at GPT-2-family sizes (124M, 350M, 1.3B; fp32, bf16): Gefen, AdamW fused
+#      and foreach, GefenMuon and torch Muon, their momentum stage; fraction of copy bandwidth;
+#   3. FSDP2 with CPUOffloadPolicy (1 rank, and 2 ranks sharing the GPU): the step on the
+#      host's C path, host memory against AdamW, an offloaded checkpoint resumed on the GPU;
+#   4. loss parity on the GPU: an 8-layer d=512 GPT, AdamW vs Gefen vs the Hybrid, best of a
+#      small lr grid.
+# Fails at once, clearly, where there is no GPU. Sized for about 8 minutes on an H200.
+#   bash tools/gpu_check.sh [OUTDIR]       (default: $OUT, else ./gpu_check_out)
+# At most 8 files land in OUTDIR: log.txt, env.txt, gpu_step.json, offload_1.json,
+# offload_2.json, loss_parity.json, summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu_check_out}}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+log="$out/log.txt"
+: > "$log"
 status=0
-step() { echo; echo "=== $1"; }
+step() { echo; echo "=== $1 ($(date +%T))" | tee -a "$log"; }
+fail() { echo "FAILED: $1" | tee -a "$log"; status=1; }
+
+if ! $py -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA device (torch.cuda.is_available() is False): nothing to check here." >&2
+  echo "Run this script on a machine with an NVIDIA GPU, nvcc and a CUDA build of PyTorch." >&2
+  exit 2
+fi
 
 step "environment"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$out/env.txt"
-nvcc --version | tail -1 | tee -a "$out/env.txt"
-$py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
-  2>&1 | tee -a "$out/env.txt"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvcc --version | tail -1
+  $py -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0))"
+} 2>&1 | tee "$out/env.txt" | tee -a "$log"
 
-step "build (GEFEN_CUDA=1, sm_${GEFEN_CUDA_ARCHS:-90})"
+step "1. build (GEFEN_CUDA=1, sm_${GEFEN_CUDA_ARCHS:-90}), CUDA parity tests, kernel bit-exact suite"
 export GEFEN_CUDA=1 GEFEN_CUDA_ARCHS=${GEFEN_CUDA_ARCHS:-90}
-if ! $py setup.py -q build_ext --inplace > "$out/build.log" 2>&1; then
-  tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
+if ! timeout 300 $py setup.py -q build_ext --inplace > "$out/build.tmp" 2>&1; then
+  tail -40 "$out/build.tmp" | tee -a "$log"; rm -f "$out/build.tmp"
+  echo "BUILD FAILED" | tee -a "$log"; exit 1
 fi
-$py -c "import gefen; from gefen import _C; print('built_with_cuda', _C.built_with_cuda(), 'cuda_available', _C.cuda_available())" \
-  | tee -a "$out/env.txt"
+rm -f "$out/build.tmp"
+$py -c "import gefen; from gefen import _C; print('built_with_cuda', _C.built_with_cuda(), '| cuda_available', _C.cuda_available())" 2>&1 | tee -a "$log"
+timeout 300 $py -m pytest tests/test_cuda_parity.py -q -rs -p no:cacheprovider 2>&1 | tail -30 | tee -a "$log"
+[ "${PIPESTATUS[0]}" = 0 ] || fail "tests/test_cuda_parity.py"
+timeout 300 bash kernels/test/run.sh gpu 2>&1 | tail -30 | tee -a "$log"
+[ "${PIPESTATUS[0]}" = 0 ] || fail "kernels/test/run.sh gpu (bit-exact parity)"
 
-step "CUDA parity tests (pytest)"
-PYTHONPATH=. timeout 300 $py -m pytest tests/test_cuda_parity.py -q -rs -p no:cacheprovider \
-  2>&1 | tee "$out/pytest_cuda.txt" | tail -25
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+step "2. step time at GPT-2-family sizes"
+timeout 240 $py benchmarks/gpu_step.py --sizes "${GPU_SIZES:-124M,350M,1.3B}" --dtypes fp32,bf16 \
+  --json "$out/gpu_step.json" 2>&1 | tee -a "$log" | grep -E "fused AdamW|momentum stage|Error|error"
+[ "${PIPESTATUS[0]}" = 0 ] || fail "benchmarks/gpu_step.py"
 
-step "step time on CUDA (fp32 and bf16; 16M, 64M, 128M, 256M)"
-PYTHONPATH=. timeout 240 $py benchmarks/step_time.py --device cuda --sizes 16M,64M,128M,256M \
-  --dtypes fp32,bf16 --optimizers adamw-fused,adamw-foreach,gefen,gefen-block --steps 20 \
-  --json "$out/step_time_cuda.json" 2>&1 | tee "$out/step_time_cuda.txt" | tail -40
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+step "3. FSDP2 + CPUOffloadPolicy (1 rank, then 2 ranks sharing the GPU)"
+ck=$(mktemp -d)
+for n in 1 2; do
+  timeout 150 $py -m torch.distributed.run --standalone --nproc-per-node $n tools/offload_check.py \
+    --out "$ck" 2>&1 | tail -30 | tee -a "$log"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "tools/offload_check.py on $n rank(s)"
+  cp "$ck/offload_$n.json" "$out/" 2>/dev/null || true
+done
+rm -rf "$ck"
+
+step "4. loss parity on the GPU (8 layers, d=512)"
+timeout 240 $py benchmarks/loss_parity.py --device cuda --layers 8 --d-model 512 --heads 8 \
+  --steps 300 --batch 32 --ctx 256 --corpus-mb 16 \
+  --optimizers adamw,gefen,hybrid-gefen --json "$out/loss_parity.json" 2>&1 | tee -a "$log" | tail -8
+[ "${PIPESTATUS[0]}" = 0 ] || fail "benchmarks/loss_parity.py --device cuda"
 
 step "summary"
-grep -E "passed|failed|error" "$out/pytest_cuda.txt" | tail -2
-grep -E " gefen " "$out/step_time_cuda.txt" || true
-echo "gpu_check exit status: $status"
+{
+  grep -E "passed|failed|error" "$log" | grep -v "^E " | tail -6
+  grep -E "fused AdamW|momentum stage" "$log"
+  grep -E "PASS|MISS|reference" "$log" | tail -4
+  echo "gpu_check exit status: $status"
+} | tee "$out/summary.txt"
 exit $status

@@ -1,0 +1,118 @@
+"""FSDP2 with CPUOffloadPolicy on a GPU machine: gefen's step runs on the host, on the
+local shards, in the C core; its host memory against AdamW's; and a checkpoint saved
+with offload resumes without it (and back) with the same global state.
+
+    torchrun --standalone --nproc-per-node 1 tools/offload_check.py --out DIR
+    torchrun --standalone --nproc-per-node 2 tools/offload_check.py --out DIR   # 2 ranks, 1 GPU
+
+Needs CUDA (FSDP2 pins host memory for offloading). Writes DIR/offload_<world>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import _common as C  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("offload_check.py needs a CUDA device: FSDP2's CPUOffloadPolicy pins host memory")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    # NCCL refuses two ranks on one GPU: the host side (gloo) carries the collectives then
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1)) else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import gefen
+    import gefen.dcp
+
+    mesh = init_device_mesh("cuda", (world,))
+    report = {"world": world, "backend": backend, "gpu": torch.cuda.get_device_name()}
+
+    def build(kind, offload=True):
+        torch.manual_seed(0)
+        model = C.char_transformer(n_layer=4, d_model=256, n_head=4, ctx=128).cuda()
+        kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy()} if offload else {"mesh": mesh}
+        for block in model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if kind == "adamw"
+               else gefen.Gefen(model.named_parameters(), lr=1e-3))
+        return model, opt
+
+    def train(model, opt, start, n):
+        losses = []
+        for step in range(start, start + n):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randint(0, 256, (8, 128), generator=g).cuda()
+            loss = model(x, torch.roll(x, -1, 1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        return losses
+
+    for kind in ("adamw", "gefen"):
+        model, opt = build(kind)
+        t0 = time.perf_counter()
+        losses = train(model, opt, 0, a.steps)
+        devices = {str(v._local_tensor.device if hasattr(v, "_local_tensor") else v.device)
+                   for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+        params_dev = {str(q.to_local().device) for q in model.parameters()}
+        state = sum(v._local_tensor.untyped_storage().nbytes() if hasattr(v, "_local_tensor") else v.untyped_storage().nbytes()
+                    for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        n_local = sum(q.to_local().numel() for q in model.parameters())
+        report[kind] = {"losses": losses, "seconds": time.perf_counter() - t0, "state_devices": sorted(devices),
+                        "param_devices": sorted(params_dev), "host_state_bytes": state,
+                        "bytes_per_local_param": state / n_local}
+    # a checkpoint saved with offload resumes without it (and the state is the same)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = os.path.join(a.out, f"offload_ckpt_{world}")
+    model, opt = build("gefen", offload=True)
+    train(model, opt, 0, 3)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = {k: v.full_tensor().cpu() for k, v in osd["state"]["blocks.0.attn.qkv.weight"].items()
+             if hasattr(v, "full_tensor")}
+    model2, opt2 = build("gefen", offload=False)
+    gefen.dcp.prepare_load(opt2, path)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    target = {"model": msd2, "optim": osd2}
+    dcp.load(target, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    st = opt2.state[dict(model2.named_parameters())["blocks.0.attn.qkv.weight"]]
+    report["offload_to_gpu_checkpoint"] = {
+        "same_state": all(torch.equal(st[k].full_tensor().cpu(), v) for k, v in saved.items() if k in st),
+        "state_device": str(st["codes"].to_local().device),
+        "continues": train(model2, opt2, 3, 2),
+    }
+    if rank == 0:
+        with open(os.path.join(a.out, f"offload_{world}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items() if kk != "losses"})
+                          for k, v in report.items()}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
