@@ -67,8 +67,10 @@ class Gefen(_QuantizedOptimizer):
         codebook_refresh_every (int): relearn the codebook every N steps (0: never).
         stochastic_round (bool): round momentum codes stochastically (unbiased) instead
             of to the nearest entry.
-        deterministic (bool): accepted for API compatibility; the CPU core is always
-            deterministic (results do not depend on the thread count).
+        deterministic (bool): accepted for compatibility with upstream Gefen and changes
+            nothing: gefen is always deterministic -- the same inputs give the same bits on
+            every run, for any number of threads, on one process and sharded (integer or
+            fixed-order reductions; the CUDA kernels use no floating-point atomics).
         fused (bool or None): gefen's update is always fused; ``False`` is rejected.
     """
 

@@ -673,3 +673,14 @@ def test_dlpack_protocol_fallback_for_producers_without_the_exchange_api():
     )
     with pytest.raises(ValueError, match="'w'.*codes.*read-only"):
         _C.AdamStep([item])
+
+
+def test_deterministic_is_a_documented_no_op():
+    """deterministic= is accepted and changes nothing (gefen is always deterministic)."""
+    runs = []
+    for flag in (False, True):
+        model = _model()
+        opt = gefen.Gefen(model.parameters(), lr=1e-2, deterministic=flag)
+        _train(model, opt, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

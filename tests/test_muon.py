@@ -406,6 +406,11 @@ def test_non_contiguous_parameter_matches_contiguous():
 
 
 def test_sharded_modes_are_the_same_on_one_process():
+    """sharded_mode decides how a *row-sharded* matrix is orthogonalised; on one process
+    every matrix is whole, so the three modes must give the same bits (a mode that changed
+    the single-process numbers would fail here). Their sharded behaviour -- collectives
+    and results -- is tested in test_sharded.py (test_gefen_muon_modes_match_one_process,
+    test_gefen_muon_approx_is_deterministic_and_sane)."""
     results = []
     for mode in ("exact", "distributed", "approx"):
         opt, params, _ = _trained(sharded_mode=mode, steps=2, normuon=True)
