@@ -74,10 +74,14 @@ def run_one(name: str, model, root: str, repeats: int) -> dict:
         opt.step()
     saves, loads, path = [], [], None
     for r in range(repeats):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
         path = os.path.join(root, f"{name}-{r}")
         t0 = time.perf_counter()
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
         saves.append(time.perf_counter() - t0)
+        for p in model.parameters():  # DCP's helpers give a fresh AdamW its state only then
+            p.grad = None
         fresh = make(name, model)
         t0 = time.perf_counter()
         if name != "adamw":
@@ -86,6 +90,8 @@ def run_one(name: str, model, root: str, repeats: int) -> dict:
         dcp.load(target, checkpoint_id=path)
         set_optimizer_state_dict(model, fresh, target["optim"])
         loads.append(time.perf_counter() - t0)
+        if not fresh.state_dict()["state"]:
+            raise RuntimeError(f"{name}: the load restored no state")
         del fresh
     size = dir_bytes(path)
     for r in range(repeats):

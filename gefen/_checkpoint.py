@@ -18,6 +18,7 @@ digests, and ``load_state_dict`` as validate → agree → convert → install.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from copy import deepcopy
 from itertools import chain
@@ -48,6 +49,9 @@ PREPARE_HINT = (
 # ------------------------------------------------------------------ digests
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 def _digest(data) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
@@ -72,8 +76,13 @@ def row_digests(fields: dict[str, torch.Tensor], row_offset: int, nrows: int) ->
     rows = torch.cat(cols, dim=1)  # one contiguous byte row per parameter row
     width = rows.shape[1]
     buf = _host_bytes(rows)
-    return torch.tensor([_digest(buf[i * width : (i + 1) * width]) for i in range(nrows)],
-                        dtype=torch.int64)
+    blake2b = hashlib.blake2b
+    digests = b"".join(blake2b(buf[i * width : (i + 1) * width], digest_size=8).digest()
+                       for i in range(nrows))
+    # the 8 digest bytes read as one little-endian int64, as _digest() reads them
+    return torch.frombuffer(bytearray(digests), dtype=torch.int64).clone() if _LITTLE else \
+        torch.tensor([int.from_bytes(digests[8 * i : 8 * i + 8], "little", signed=True) for i in range(nrows)],
+                     dtype=torch.int64)
 
 
 def replicated_digests(fields: dict[str, torch.Tensor]) -> torch.Tensor:
