@@ -292,8 +292,8 @@ class _QuantizedOptimizer(Optimizer):
                 "load_state_dict) before stepping"
             )
         lrs = self._read_lrs()
-        for group in self.param_groups:
-            self._check_group(group)
+        for group in self.param_groups:  # with the lr just read (a tensor lr: one read)
+            self._check_group(dict(group, lr=lrs[id(group)]))
         all_views = self._views()
         for v in all_views:
             if v.grad is not None:

@@ -493,8 +493,16 @@ def _full_state(opt) -> dict:
     return out
 
 
+def _plain_dicts(model, opt, flatten: bool) -> dict:
+    """The model's and the optimizer's state dicts side by side in one dict (no Stateful)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, o = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    return {"model": m, "optim": o}
+
+
 def dcp_save(rank, world, path, kind, layout, options, flatten=False, async_save=False, mesh_shape=None,
-             steps=3, more=2):
+             steps=3, more=2, stateful=True):
     """Train ``steps`` on this topology, save with DCP, continue ``more`` steps (the
     uninterrupted run). Rank 0 writes the saved global state and the final parameters
     next to the checkpoint for the loading side."""
@@ -503,11 +511,11 @@ def dcp_save(rank, world, path, kind, layout, options, flatten=False, async_save
     model = _layout_model(layout, world, mesh_shape)
     opt = _ckpt_opt(kind, model, options)
     _train_steps(model, opt, 0, steps)
-    app = _App(model, opt, flatten)
+    state = {"app": _App(model, opt, flatten)} if stateful else _plain_dicts(model, opt, flatten)
     if async_save:
-        dcp.async_save({"app": app}, checkpoint_id=path).result()
+        dcp.async_save(state, checkpoint_id=path).result()
     else:
-        dcp.save({"app": app}, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=path)
     saved = _full_state(opt)
     _train_steps(model, opt, steps, more)
     final = [as_full(p).detach().cpu().clone() for p in model.parameters()]
@@ -517,7 +525,7 @@ def dcp_save(rank, world, path, kind, layout, options, flatten=False, async_save
 
 
 def dcp_load(rank, world, path, kind, layout, options, flatten=False, mesh_shape=None, steps=3, more=2,
-             prepare=True):
+             prepare=True, stateful=True):
     """A fresh model and optimizer on this topology: prepare_load, dcp.load, compare the
     loaded global state with the saved one, continue ``more`` steps, compare with the
     uninterrupted run."""
@@ -530,7 +538,15 @@ def dcp_load(rank, world, path, kind, layout, options, flatten=False, mesh_shape
     if prepare:
         gefen.dcp.prepare_load(opt, path)
     try:
-        dcp.load({"app": _App(model, opt, flatten)}, checkpoint_id=path)
+        if stateful:
+            dcp.load({"app": _App(model, opt, flatten)}, checkpoint_id=path)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            sd = _plain_dicts(model, opt, flatten)
+            dcp.load(sd, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     except Exception as exc:
         return {"error": (type(exc).__name__, str(exc)), "state_empty": len(opt.state) == 0 or not any(opt.state.values())}
     ref = torch.load(path + ".ref", weights_only=False)

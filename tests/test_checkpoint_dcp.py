@@ -64,6 +64,17 @@ def test_resume_on_another_topology(gloo_pools, tmp_path, n, m, kind, ls, ll, op
         assert r["final_diff"] <= _tolerance(kind), r
 
 
+@pytest.mark.parametrize("flatten", [False, True])
+def test_plain_state_dicts_without_stateful(gloo_pools, tmp_path, flatten):
+    """The model's and optimizer's state dicts put into dcp.save/dcp.load directly."""
+    path = os.path.join(tmp_path, "ckpt")
+    gloo_pools(2).run(D.dcp_save, path, "gefen", "fsdp", {}, flatten, False, None, 3, 2, False)
+    res = gloo_pools(3).run(D.dcp_load, path, "gefen", "fsdp", {}, flatten, None, 3, 2, True, False)
+    _exact_state(res)
+    for r in res:
+        assert r["error"] is None and r["final_diff"] <= _tolerance("gefen"), r
+
+
 @pytest.mark.parametrize("kind, options", [("gefen", {}), ("gefen", {"factored": False}),
                                            ("hybrid-gefen", {}), ("hybrid-adamw", {})])
 def test_same_topology_continues_bitwise(gloo_pools, tmp_path, kind, options):

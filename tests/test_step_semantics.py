@@ -1,0 +1,84 @@
+"""Step-level promises: a codebook refresh commits only with a successful update, and a
+tensor learning rate is read once per group per step (not once per parameter)."""
+
+import pytest
+import torch
+
+import gefen
+import gefen.gefen as gefen_module
+from gefen import _C
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _grads(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * (1 + seed)
+
+
+class _FailingUpdate:
+    """An AdamStep whose update fails (as an out-of-memory or a CUDA error would)."""
+
+    def __init__(self, items):
+        self._plan = _C.AdamStep(items)
+
+    def factored_stats(self, *args):
+        self._plan.factored_stats(*args)
+
+    def update(self, *args):
+        raise RuntimeError("simulated failure of the update")
+
+
+def test_codebook_refresh_commits_only_with_a_successful_update(monkeypatch):
+    model = _model()
+    opt = gefen.Gefen(model.parameters(), lr=1e-2, codebook_refresh_every=2)
+    for s in range(2):
+        _grads(model, s)
+        opt.step()
+    codebook = opt._codebook.clone()
+    codes = {p: st["codes"].clone() for p, st in opt.state.items()}
+    params = [p.detach().clone() for p in model.parameters()]
+    _grads(model, 7)  # step 3 = 1 + 2: the codebook is relearned and the codes re-expressed
+    monkeypatch.setattr(gefen_module, "_C", type("C", (), {"AdamStep": _FailingUpdate}))
+    with pytest.raises(RuntimeError, match="simulated failure of the update"):
+        opt.step()
+    monkeypatch.undo()
+    # nothing of the refresh landed: the codebook, the codes, the parameters, the counters
+    assert torch.equal(opt._codebook, codebook) and opt._global_step == 2
+    assert all(torch.equal(st["codes"], codes[p]) for p, st in opt.state.items())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    # and the retried step refreshes as it should
+    opt.step()
+    assert opt._global_step == 3 and not torch.equal(opt._codebook, codebook)
+    assert all(st["codebook"] is opt._codebook for st in opt.state.values())
+
+
+class _CountingLR(torch.Tensor):
+    reads = 0
+
+    def item(self):
+        type(self).reads += 1
+        return super().item()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, lr: gefen.Gefen(ps, lr=lr),
+    lambda ps, lr: gefen.GefenMuon([p for p in ps if p.dim() == 2], lr=lr),
+], ids=["Gefen", "GefenMuon"])
+def test_tensor_lr_is_read_once_per_group_per_step(make):
+    model = _model()
+    lr = torch.tensor(1e-2).as_subclass(_CountingLR)
+    opt = make(list(model.parameters()), lr)
+    _grads(model, 0)
+    opt.step()  # the first step (learning) may read it a few times more
+    _CountingLR.reads = 0
+    for s in range(3):
+        _grads(model, s + 1)
+        opt.step()
+    n_params = sum(len(g["params"]) for g in opt.param_groups)
+    assert n_params >= 2
+    assert _CountingLR.reads == 3 * len(opt.param_groups), _CountingLR.reads
