@@ -106,6 +106,30 @@ def main() -> None:
         "state_device": str(st["codes"].to_local().device),
         "continues": train(model2, opt2, 3, 2),
     }
+    # and back: the GPU-resident optimizer saved with dcp.async_save through a pinned-memory
+    # stager, resumed with CPU offload
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    path2 = os.path.join(a.out, f"gpu_ckpt_{world}")
+    msd2, osd2 = get_state_dict(model2, opt2)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    res = dcp.async_save({"model": msd2, "optim": osd2}, checkpoint_id=path2, async_stager=stager)
+    (getattr(res, "upload_completion", None) or res).result()
+    saved2 = {k: v.full_tensor().cpu() for k, v in osd2["state"]["blocks.0.attn.qkv.weight"].items()
+              if hasattr(v, "full_tensor")}
+    model3, opt3 = build("gefen", offload=True)
+    gefen.dcp.prepare_load(opt3, path2)
+    msd3, osd3 = get_state_dict(model3, opt3)
+    target3 = {"model": msd3, "optim": osd3}
+    dcp.load(target3, checkpoint_id=path2)
+    set_state_dict(model3, opt3, model_state_dict=target3["model"], optim_state_dict=target3["optim"])
+    st3 = opt3.state[dict(model3.named_parameters())["blocks.0.attn.qkv.weight"]]
+    report["gpu_to_offload_checkpoint_pinned_async"] = {
+        "same_state": all(torch.equal(st3[k].full_tensor().cpu(), v) for k, v in saved2.items() if k in st3),
+        "state_device": str(st3["codes"].to_local().device),
+        "continues": train(model3, opt3, 5, 2),
+    }
     if rank == 0:
         with open(os.path.join(a.out, f"offload_{world}.json"), "w") as f:
             json.dump(report, f, indent=1)
