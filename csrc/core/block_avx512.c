@@ -15,111 +15,48 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#include "block_avx512_common.h"
 
-TARGET static inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-}
-
-/* 16 elements of a float32/bfloat16/float16 buffer as fp32 (masked-off lanes 0). */
-TARGET static inline __m512 load16(const void *p, gefen_dtype dt, int64_t i, __mmask16 k) {
-  switch (dt) {
-    case GEFEN_BF16: {
-      __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    case GEFEN_F16:
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i));
-    default:
-      return _mm512_maskz_loadu_ps(k, (const float *)p + i);
-  }
-}
-
-/* fp32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as gefen_f32_to_bf16). */
-TARGET static inline __m512i to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(rounded, nan, quiet);
-}
-
-TARGET static inline void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
-  switch (dt) {
-    case GEFEN_BF16:
-      _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)p + i, k, to_bf16_bits(v));
-      break;
-    case GEFEN_F16: {
-      /* a NaN becomes sign | 0x7e00 as in gefen_f32_to_f16 (the conversion
-       * instruction would keep payload bits) */
-      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
-          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
-          _mm512_set1_epi32(0x7fc00000)));
-      v = _mm512_mask_mov_ps(v, nan, canon);
-      _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
-                               _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      break;
-    }
-    default:
-      _mm512_mask_storeu_ps((float *)p + i, k, v);
-      break;
-  }
-}
-
-/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
-TARGET static inline void add_lanes(__m512d *lo, __m512d *hi, __m512 x) {
-  *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
-  *hi = _mm512_add_pd(
-      *hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
-}
-
-/* The canonical in-order sum of the 16 lanes (see block_ops.h). */
-TARGET static inline double sum_lanes(__m512d lo, __m512d hi) {
-  double lanes[GEFEN_SUM_LANES];
-  _mm512_storeu_pd(lanes, lo);
-  _mm512_storeu_pd(lanes + 8, hi);
-  return gefen_sum_lanes(lanes);
-}
+#define TARGET GEFEN_AVX512_TARGET
 
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float beta1, float one_minus_beta1, int64_t len, float *m,
                                   double *sq) {
   if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, cb, mag_old, beta1,
+    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
                                                 one_minus_beta1, len, m, sq);
+  const float *cb = q->table.codebook;
   const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
                vomb1 = _mm512_set1_ps(one_minus_beta1);
   __m512 vmx = _mm512_setzero_ps();
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
+    const __mmask16 k = gefen_tail_mask16(len - j);
+    const __m512 g = gefen_load16(grad, dt, base + j, k);
     const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
     const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb1, g));
     _mm512_mask_storeu_ps(m + j, k, v);
     vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx); /* NaN never wins */
-    add_lanes(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
+    gefen_add_lanes16(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
   }
-  *sq += sum_lanes(lo, hi);
+  if (sq) *sq += gefen_sum_lanes16(lo, hi);
   return _mm512_reduce_max_ps(vmx);
 }
 
 TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float one_minus_beta, int64_t len, float *m) {
   if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, cb, mag_old,
+    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, q, mag_old,
                                                 one_minus_beta, len, m);
+  const float *cb = q->table.codebook;
   const __m512 vmag = _mm512_set1_ps(mag_old), vomb = _mm512_set1_ps(one_minus_beta);
   __m512 vmx = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
+    const __mmask16 k = gefen_tail_mask16(len - j);
+    const __m512 g = gefen_load16(grad, dt, base + j, k);
     const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
     const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
     const __m512 v = _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)));
@@ -153,7 +90,7 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   const int unique = t->n_distinct == GEFEN_CODEBOOK_SIZE;
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
+    const __mmask16 k = gefen_tail_mask16(len - j);
     const __m512 u = _mm512_div_ps(_mm512_maskz_loadu_ps(k, m + j), vmx);
     const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
     __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u, one), scale));
@@ -185,13 +122,13 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
   }
 }
 
-TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+TARGET double gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
                                double *colsum) {
   if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
+    const __mmask16 k = gefen_tail_mask16(len - j);
+    const __m512 g = gefen_load16(grad, dt, base + j, k);
     const __m512 x = _mm512_mul_ps(g, g);
     const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
     const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
@@ -204,10 +141,10 @@ TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, i
     _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
                           _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
   }
-  return sum_lanes(lo, hi);
+  return gefen_sum_lanes16(lo, hi);
 }
 
-TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
+TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
                                int64_t len, float s, float decay, float lr) {
   if (dt == GEFEN_F64) {
     gefen_block_ops_scalar.apply_block(param, dt, base, mq, len, s, decay, lr);
@@ -215,15 +152,15 @@ TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const 
   }
   const __m512 vs = _mm512_set1_ps(s), vdecay = _mm512_set1_ps(decay), vlr = _mm512_set1_ps(lr);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 p = load16(param, dt, base + j, k);
+    const __mmask16 k = gefen_tail_mask16(len - j);
+    const __m512 p = gefen_load16(param, dt, base + j, k);
     const __m512 delta = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, mq + j), vs);
-    store16(param, dt, base + j,
+    gefen_store16(param, dt, base + j,
             _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
   }
 }
 
-TARGET static void apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,
+TARGET void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,
                                   int64_t len, float srow, const float *scol, float inv_bc1,
                                   float eps, float decay, float lr) {
   if (dt == GEFEN_F64) {
@@ -235,17 +172,17 @@ TARGET static void apply_factored(void *param, gefen_dtype dt, int64_t base, con
                veps = _mm512_set1_ps(eps), vdecay = _mm512_set1_ps(decay),
                vlr = _mm512_set1_ps(lr);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
+    const __mmask16 k = gefen_tail_mask16(len - j);
     const __m512 s = _mm512_div_ps(
         vinv, _mm512_add_ps(_mm512_mul_ps(vsrow, _mm512_maskz_loadu_ps(k, scol + j)), veps));
-    const __m512 p = load16(param, dt, base + j, k);
+    const __m512 p = gefen_load16(param, dt, base + j, k);
     const __m512 delta = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, mq + j), s);
-    store16(param, dt, base + j,
+    gefen_store16(param, dt, base + j,
             _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
   }
 }
 
-TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
+TARGET void gefen_avx512_muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
                                int64_t base, const float *mq, int64_t len, float beta,
                                float one_minus_beta, int nesterov) {
   if (dt == GEFEN_F64) {
@@ -255,18 +192,26 @@ TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, 
   }
   const __m512 vbeta = _mm512_set1_ps(beta), vomb = _mm512_set1_ps(one_minus_beta);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
+    const __mmask16 k = gefen_tail_mask16(len - j);
     __m512 o = _mm512_maskz_loadu_ps(k, mq + j);
     if (nesterov)
       o = _mm512_add_ps(_mm512_mul_ps(vbeta, o),
-                        _mm512_mul_ps(vomb, load16(grad, dt, base + j, k)));
-    store16(out, out_dt, base + j, o, k);
+                        _mm512_mul_ps(vomb, gefen_load16(grad, dt, base + j, k)));
+    gefen_store16(out, out_dt, base + j, o, k);
   }
 }
 
+static const gefen_block_ops ops_avx512;
+
+static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                             uint8_t *codes, const gefen_sink *sink) {
+  gefen_requantize_apply_with(&ops_avx512, q, m, mx, len, codes, sink);
+}
+
 static const gefen_block_ops ops_avx512 = {
-    adam_momentum, muon_momentum, requantize, row_stats,
-    apply_block,   apply_factored, muon_output,
+    adam_momentum,          muon_momentum,           requantize,
+    requantize_apply,       gefen_avx512_row_stats,  gefen_avx512_apply_block,
+    gefen_avx512_apply_factored, gefen_avx512_muon_output,
 };
 
 static int cpu_has_avx512(void) {

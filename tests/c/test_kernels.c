@@ -46,6 +46,10 @@ static float normal(void) {
 /* The SIMD versions of the block primitives this CPU has, with their names. */
 static int simd_tables(const gefen_block_ops **ops, const char **names) {
   int n = 0;
+  if (gefen_block_ops_avx512vbmi()) {
+    ops[n] = gefen_block_ops_avx512vbmi();
+    names[n++] = "avx512vbmi";
+  }
   if (gefen_block_ops_avx512()) {
     ops[n] = gefen_block_ops_avx512();
     names[n++] = "avx512";
@@ -144,11 +148,32 @@ static void test_quantizer_on(const float *c, int expect_exact) {
           "portable requantize of %.9g: code %d, quantiser %d", ui, c1[i], want);
   }
 
-  /* every SIMD requantisation gives the same codes and values as the portable */
-  const gefen_block_ops *simd[2];
-  const char *names[2];
-  const int ns = expect_exact ? simd_tables(simd, names) : 0;
+  /* the thresholds count the reference rule's code: at every probe, at every
+   * threshold and the float above it */
+  const gefen_quant_search *search = &q->search;
+  for (int i = 0; i < n; i++) {
+    const uint8_t want = brute_nearest(c, u[i]);
+    CHECK(gefen_quant_count(search, u[i]) == want, "count(%.9g) = %d, rule says %d", u[i],
+          gefen_quant_count(search, u[i]), want);
+  }
+  for (int k = 1; k < 256; k++) {
+    const float t = search->threshold[k], above = nextafterf(t, 2.0f);
+    CHECK(!signbit(t) || t != 0.0f, "threshold %d is -0", k);
+    CHECK(gefen_quant_count(search, t) == brute_nearest(c, t), "count at threshold %d", k);
+    if (t < 1.0f)
+      CHECK(gefen_quant_count(search, above) == brute_nearest(c, above) &&
+                brute_nearest(c, above) >= k,
+            "count above threshold %d", k);
+  }
+  CHECK(gefen_quant_count(search, NAN) == 255, "NaN counts 255");
+
+  /* every SIMD requantisation gives the same codes and values as the portable
+   * (the lookup-table ones only with an exact table) */
+  const gefen_block_ops *simd[3];
+  const char *names[3];
+  const int ns = simd_tables(simd, names);
   for (int s = 0; s < ns; s++) {
+    if (!expect_exact && simd[s] != gefen_block_ops_avx512vbmi()) continue;
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
     m1[n / 2] = m2[n / 2] = NAN;
     for (int len = 1; len <= 40; len++) {
@@ -203,7 +228,8 @@ static void test_quantizer(void) {
 
 static void fill_grad(void *g, gefen_dtype dt, int64_t n, float scale) {
   for (int64_t i = 0; i < n; i++) {
-    float v = normal() * scale;
+    /* magnitudes over 2^-12..2^12, so that the order of a sum shows in its bits */
+    float v = normal() * scale * ldexpf(1.0f, (int)(rng() % 25) - 12);
     switch (dt) {
       case GEFEN_F32: ((float *)g)[i] = v; break;
       case GEFEN_BF16: {
@@ -244,9 +270,8 @@ static void put_specials(void *p, gefen_dtype dt, int64_t len) {
 /* One SIMD version against the portable one. A pass with special values puts
  * them in the parameters and one NaN in the gradient (one NaN per sum, so the
  * NaN that comes out does not depend on the order of operands). */
-static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
-  float c[256];
-  learned_codebook(c, 3500);
+static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
+                                const float *c) {
   gefen_quantizer *q = NULL;
   gefen_error err;
   CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create");
@@ -283,9 +308,9 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
         scol[j] = uniform(0.001f, 0.1f);
       }
       double sq1 = 0, sq2 = 0;
-      float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f,
+      float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f,
                                                        len, m1, &sq1);
-      float mx2 = simd->adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
+      float mx2 = simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
       CHECK(mx1 == mx2, "%s: adam_momentum max differs (dt %d len %lld)", name, dt,
             (long long)len);
       CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "%s: adam_momentum m differs (dt %d len %lld)",
@@ -312,8 +337,8 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
       CHECK(memcmp(&r1, &r2, sizeof r1) == 0, "%s: row sums %.17g vs %.17g", name, r1, r2);
       CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "%s: column sums differ", name);
       /* GefenMuon momentum and its Newton-Schulz input */
-      mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m1);
-      mx2 = simd->muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m2);
+      mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m1);
+      mx2 = simd->muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m2);
       CHECK(mx1 == mx2 && memcmp(m1, m2, 4 * (size_t)len) == 0,
             "%s: muon_momentum differs (dt %d len %lld)", name, dt, (long long)len);
       for (int nesterov = 0; nesterov < 2; nesterov++) {
@@ -332,13 +357,150 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
 }
 
 static void test_simd_blocks(void) {
-  const gefen_block_ops *simd[2];
-  const char *names[2];
+  const gefen_block_ops *simd[3];
+  const char *names[3];
   const int n = simd_tables(simd, names);
   if (n == 0) printf("  (no SIMD primitives on this CPU: comparison skipped)\n");
+  float c[256];
+  learned_codebook(c, 3500);
   for (int s = 0; s < n; s++) {
     printf("  %s\n", names[s]);
-    test_simd_blocks_on(simd[s], names[s]);
+    test_simd_blocks_on(simd[s], names[s], c);
+  }
+}
+
+/* requantize_apply of one SIMD version against the portable one, for every
+ * sink, dtype and length 1..130 (and some long ones), with special values in
+ * m (NaN payloads, infinities, subnormals, +-0, +-mx), all-zero and all-NaN
+ * blocks (mx = 0), and for each codebook of test_requantize_apply. */
+static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
+                                const gefen_quantizer *q) {
+  enum { MAXL = 3072 };
+  static float m0[MAXL], m1[MAXL], m2[MAXL], scol[MAXL], g32[MAXL];
+  static uint8_t c1[MAXL], c2[MAXL];
+  static uint16_t g16[MAXL];
+  static uint8_t out1[4 * MAXL], out2[4 * MAXL];
+  static const uint32_t specials[] = {0x7fc00000u, 0xffa00001u, 0x7f800001u, 0x7f800000u,
+                                      0xff800000u, 0x80000000u, 0x00000000u, 0x00000001u,
+                                      0x807fffffu, 0x00800000u};
+  const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
+  const gefen_sink_kind kinds[4] = {GEFEN_SINK_M, GEFEN_SINK_ADAM_BLOCK,
+                                    GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
+  for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
+    for (int variant = 0; variant < 4; variant++) {
+      /* 0: plain, 1: special values, 2: all zero, 3: all NaN */
+      float mx = 0.0f;
+      for (int64_t j = 0; j < len; j++) {
+        m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : normal() * 0.01f;
+        scol[j] = uniform(0.001f, 0.1f);
+        g32[j] = normal();
+        memcpy(&g16[j], (const char *)&g32[j] + 2, 2);
+      }
+      if (variant == 1)
+        for (int s = 0; s < 10 && s < len; s++) {
+          const int64_t i = (int64_t)(rng() % (uint64_t)len);
+          memcpy(&m0[i], &specials[s], 4);
+        }
+      for (int64_t j = 0; j < len; j++) {
+        const float a = fabsf(m0[j]);
+        mx = a > mx ? a : mx;
+      }
+      if (variant == 0 && len > 2) { /* u exactly -1, 0 and a threshold */
+        m0[0] = -mx;
+        m0[1] = 0.0f;
+        m0[2] = q->search.threshold[1 + rng() % 255] * mx;
+      }
+      for (int ki = 0; ki < 4; ki++)
+        for (int d = 0; d < 3; d++)
+          for (int variant2 = 0; variant2 < (kinds[ki] == GEFEN_SINK_MUON ? 4 : 1); variant2++) {
+            const gefen_dtype dt = dts[d];
+            const size_t esz = dt == GEFEN_F32 ? 4 : 2;
+            gefen_sink sk = {.kind = kinds[ki], .out_dtype = dt, .dtype = dt,
+                             .grad = dt == GEFEN_F32 ? (const void *)g32 : (const void *)g16,
+                             .base = 0, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f, .eps = 1e-8f,
+                             .decay = 0.999f, .lr = 1e-3f, .beta = 0.95f, .one_minus_beta = 0.05f,
+                             .nesterov = variant2 & 1};
+            if (kinds[ki] == GEFEN_SINK_MUON) {
+              sk.out_dtype = (variant2 & 2) ? GEFEN_BF16 : GEFEN_F32;
+              if (dt == GEFEN_F16) sk.grad = g16; /* any bits will do */
+            }
+            const size_t osz = (sk.out_dtype == GEFEN_F32 ? 4 : 2) * (size_t)len;
+            for (int64_t j = 0; j < len; j++) /* parameters: the gradient's bits */
+              memcpy(out1 + esz * (size_t)j, (const char *)&g32[j] + (esz == 2 ? 2 : 0), esz);
+            memcpy(out2, out1, osz);
+            memcpy(m1, m0, 4 * (size_t)len);
+            memcpy(m2, m0, 4 * (size_t)len);
+            gefen_sink s1 = sk, s2 = sk;
+            s1.out = out1;
+            s2.out = out2;
+            gefen_block_ops_scalar.requantize_apply(q, m1, mx, len, c1, &s1);
+            simd->requantize_apply(q, m2, mx, len, c2, &s2);
+            CHECK(memcmp(c1, c2, (size_t)len) == 0,
+                  "%s: requantize_apply codes differ (sink %d dt %d len %lld variant %d)", name,
+                  kinds[ki], dt, (long long)len, variant);
+            CHECK(memcmp(out1, out2, osz) == 0,
+                  "%s: requantize_apply output differs (sink %d dt %d len %lld variant %d)",
+                  name, kinds[ki], dt, (long long)len, variant);
+            if (kinds[ki] == GEFEN_SINK_M)
+              CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0,
+                    "%s: requantized values differ (len %lld variant %d)", name, (long long)len,
+                    variant);
+          }
+    }
+  }
+}
+
+static void test_requantize_apply(void) {
+  const gefen_block_ops *simd[3];
+  const char *names[3];
+  const int n = simd_tables(simd, names);
+  float c[4][256];
+  learned_codebook(c[0], 3500);
+  learned_codebook(c[1], 40); /* padded: repeated entries */
+  for (int i = 0; i < 127; i++) c[2][i] = -1.0f + (float)i / 127.0f; /* -0 and +0 */
+  c[2][127] = -0.0f;
+  c[2][128] = 0.0f;
+  for (int i = 129; i < 256; i++) c[2][i] = (float)(i - 128) / 127.0f;
+  for (int i = 0; i < 256; i++) c[3][i] = -1.0f + 2.0f * (float)i / 255.0f; /* not exact */
+  for (int i = 100; i < 110; i++) c[3][i] = c[3][100] + (float)(i - 100) * 1e-5f;
+  for (int k = 0; k < 4; k++) {
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    if (!q) continue;
+    for (int s = 0; s < n; s++)
+      if (q->table.exact_lut || simd[s] == gefen_block_ops_avx512vbmi())
+        requantize_apply_on(simd[s], names[s], q);
+    gefen_quantizer_destroy(q);
+  }
+}
+
+/* GEFEN_SLOW=1: the threshold count against the reference rule for every
+ * float in [-1, 1] (2^31 values), on a learned and a padded codebook. */
+static void test_count_exhaustive(void) {
+  const char *slow = getenv("GEFEN_SLOW");
+  if (!slow || strcmp(slow, "1") != 0) return;
+  for (int k = 0; k < 2; k++) {
+    float c[256];
+    learned_codebook(c, k == 0 ? 3500 : 40);
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    gefen_quantizer_create(c, &q, &err);
+    int64_t bad = 0;
+    for (uint32_t sign = 0; sign < 2; sign++) {
+      int64_t bad_part = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad_part)
+      for (int64_t b = 0; b <= 0x3f800000; b++) {
+        const uint32_t bits = (sign << 31) | (uint32_t)b;
+        float u;
+        memcpy(&u, &bits, 4);
+        bad_part += gefen_quant_count(&q->search, u) != gefen_quantize_reference(c, u);
+      }
+      bad += bad_part;
+    }
+    CHECK(bad == 0, "exhaustive: %lld floats in [-1, 1] counted wrong", (long long)bad);
+    printf("  exhaustive count, codebook %d: %lld mismatches\n", k, (long long)bad);
+    gefen_quantizer_destroy(q);
   }
 }
 
@@ -516,6 +678,9 @@ int main(void) {
   test_quantizer();
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
+  printf("test_kernels: fused requantisation and sinks vs portable\n");
+  test_requantize_apply();
+  test_count_exhaustive();
   printf("test_kernels: dtype conversions\n");
   test_conversions();
   printf("test_kernels: period search\n");
