@@ -4,11 +4,13 @@
  * portable). In cache, each figure is the best of several repetitions, so that a busy
  * machine disturbs it less.
  *
- *   momentum      dequantise, update the momentum, max |m| and (block form) sum g^2
+ *   momentum      dequantise, update the momentum, max |m| and (block form) the sum
+ *                 of g^2
  *   requantize    nearest codes of m / max|m|, dequantised values back into m
  *   apply         p = p * decay - lr * mq * s (block: one s; factored: s per element)
- *   fused         requantize_apply: the requantisation and the block apply in one pass
+ *   fused         requantize_apply: the requantisation and the apply in one pass
  *   row_stats     the factored form's first pass (sums of g^2 per row and column)
+ *   muon          GefenMuon's momentum and fused requantisation into a bf16 output
  *
  * A block step is momentum + fused (or requantize + apply); a factored step adds the
  * row statistics.
@@ -28,12 +30,15 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-enum { N_STAGES = 6 };
-static const char *stage_names[N_STAGES] = {"momentum",     "requantize", "apply(block)",
-                                            "apply(factored)", "fused(block)", "row_stats"};
+enum { N_STAGES = 9 };
+static const char *stage_names[N_STAGES] = {
+    "momentum(block)", "requantize",      "apply(block)", "apply(factored)",
+    "fused(block)",    "fused(factored)", "row_stats",    "muon(momentum+fused)",
+    "momentum(factored)"};
 
 static void run(const char *label, const gefen_block_ops *ops, const gefen_quantizer *q,
                 int64_t n, int64_t P) {
+  uint16_t *out = malloc((size_t)n * 2);
   float *g = malloc((size_t)n * 4), *p = malloc((size_t)n * 4), *m = malloc((size_t)P * 4),
         *m0 = malloc((size_t)P * 4), *scol = malloc((size_t)P * 4);
   uint8_t *codes = malloc((size_t)n);
@@ -71,14 +76,32 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
                                .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-6f};
       ops->requantize_apply(q, m0, mx, P, codes + base, &sink);
       double t6 = now();
-      ops->row_stats(g, GEFEN_F32, base, P, colsum);
+      const gefen_sink fsink = {.kind = GEFEN_SINK_ADAM_FACTORED, .out = p,
+                                .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = scol,
+                                .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-6f};
+      double t6b = now();
+      ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f, 0.1f, P, m0, NULL);
       double t7 = now();
+      ops->requantize_apply(q, m0, mx, P, codes + base, &fsink);
+      double t8 = now();
+      ops->row_stats(g, GEFEN_F32, base, P, colsum);
+      double t9 = now();
+      const gefen_sink msink = {.kind = GEFEN_SINK_MUON, .out = out, .out_dtype = GEFEN_BF16,
+                                .grad = g, .dtype = GEFEN_F32, .base = base, .beta = 0.95f,
+                                .one_minus_beta = 0.05f, .nesterov = 1};
+      const float mxm =
+          ops->muon_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.05f, P, m0);
+      ops->requantize_apply(q, m0, mxm, P, codes + base, &msink);
+      double t10 = now();
       t[0] += t1 - t0;
       t[1] += t3 - t2;
       t[2] += t4 - t3;
       t[3] += t5 - t4;
       t[4] += t6 - t5;
-      t[5] += t7 - t6;
+      t[5] += t8 - t7;
+      t[8] += t7 - t6b;
+      t[6] += t9 - t8;
+      t[7] += t10 - t9;
     }
     for (int s = 0; s < N_STAGES; s++) {
       best[s] = t[s] < best[s] ? t[s] : best[s];
@@ -90,6 +113,7 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
   for (int s = 0; s < N_STAGES; s++)
     printf("  %s %.3f", stage_names[s], (in_cache ? best[s] : sum[s] / reps) * e);
   printf("  ns/element\n");
+  free(out);
   free(g);
   free(p);
   free(m);

@@ -128,6 +128,7 @@ TARGET double gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t b
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
   for (int64_t j = 0; j < len; j += 16) {
     const __mmask16 k = gefen_tail_mask16(len - j);
+    gefen_prefetch(grad, gefen_esz(dt), base + j + len, 16); /* the next row */
     const __m512 g = gefen_load16(grad, dt, base + j, k);
     const __m512 x = _mm512_mul_ps(g, g);
     const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
@@ -160,9 +161,10 @@ TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, 
   }
 }
 
-TARGET void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,
-                                  int64_t len, float srow, const float *scol, float inv_bc1,
-                                  float eps, float decay, float lr) {
+TARGET void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base,
+                                        const float *mq, int64_t len, float srow,
+                                        const float *scol, float inv_bc1, float eps, float decay,
+                                        float lr) {
   if (dt == GEFEN_F64) {
     gefen_block_ops_scalar.apply_factored(param, dt, base, mq, len, srow, scol, inv_bc1, eps,
                                           decay, lr);
@@ -178,7 +180,7 @@ TARGET void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t bas
     const __m512 p = gefen_load16(param, dt, base + j, k);
     const __m512 delta = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, mq + j), s);
     gefen_store16(param, dt, base + j,
-            _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
+                  _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
   }
 }
 

@@ -66,6 +66,19 @@ GEFEN_AVX512_INLINE void gefen_store16(void *p, gefen_dtype dt, int64_t i, __m51
   }
 }
 
+/* Prefetches the lines of elements [i, i + n) of a buffer of esz-byte
+ * elements. The kernels work through blocks (rows) in address order and
+ * fetch the next block (at + len) while working on this one: the hardware
+ * prefetchers alone leave each pass waiting on memory. A prefetch past the
+ * end of a buffer is harmless (no fault). */
+GEFEN_AVX512_INLINE void gefen_prefetch(const void *p, size_t esz, int64_t i, int64_t n) {
+  const char *c = (const char *)p + (size_t)i * esz;
+  for (size_t off = 0; off < (size_t)n * esz; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+/* Bytes per element of a float32/bfloat16/float16 buffer. */
+GEFEN_AVX512_INLINE size_t gefen_esz(gefen_dtype dt) { return dt == GEFEN_F32 ? 4 : 2; }
+
 /* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
 GEFEN_AVX512_INLINE void gefen_add_lanes16(__m512d *lo, __m512d *hi, __m512 x) {
   *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));

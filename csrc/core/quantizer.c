@@ -118,17 +118,28 @@ static void build_search(gefen_quant_search *s, const float *c) {
       /* prefix: the bits found by the levels above, highest first; j: reversed */
       const int j = bit_reverse8(prefix) >> (9 - level);
       const float t = s->threshold[prefix * 2 * step + step];
+      gefen_search_levels *lv = &s->levels;
       if (level == 1)
-        s->level1 = t;
+        lv->level1[j] = t;
       else if (level <= 5)
-        s->level2_5[level - 2][j] = t;
+        lv->level2_5[level - 2][j] = t;
       else if (level == 6)
-        s->level6[j] = t;
+        lv->level6[j] = t;
       else if (level == 7)
-        s->level7[j] = t;
+        lv->level7[j] = t;
       else
-        s->level8[j] = t;
+        lv->level8[j] = t;
     }
+  }
+  /* the midpoints above the thresholds, for the search without division */
+  const float *entry = (const float *)&s->levels;
+  memset(s->tie_up, 0, sizeof s->tie_up);
+  for (int i = 0; i < GEFEN_SEARCH_ENTRIES; i++) {
+    const float t = entry[i], up = nextafterf(t, INFINITY);
+    s->bound[i] = 0.5 * ((double)t + (double)up); /* exact: 25 significant bits */
+    uint32_t up_bits;
+    memcpy(&up_bits, &up, sizeof up_bits);
+    if ((up_bits & 1u) == 0) s->tie_up[i / 16] |= (uint16_t)(1u << (i % 16));
   }
   for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
     s->code_of[j] = (uint8_t)bit_reverse8(j);

@@ -4,6 +4,22 @@
 
 #include "core_internal.h"
 
+/* The thresholds of the binary search below, in the order its levels read
+ * them: level L (1..8) compares u with the threshold at (bits found so far, 1,
+ * 0, ...) and records its bit as bit L - 1 of an index j, so j holds the found
+ * bits in reverse order and each level's table is indexed by j directly.
+ * level1 is one value (padded to 16), level2_5[L - 2] holds 2^(L-1) values,
+ * level6/7/8 hold 32, 64 and 128 (two, four and eight 16-float registers). */
+typedef struct {
+  float level1[16];
+  float level2_5[4][16];
+  float level6[32];
+  float level7[64];
+  float level8[128];
+} gefen_search_levels;
+
+#define GEFEN_SEARCH_ENTRIES ((int)(sizeof(gefen_search_levels) / sizeof(float)))
+
 /* The nearest-code rule as a count of thresholds, for searches without table
  * look-ups in memory (quantizer.c builds it, block_avx512vbmi.c uses it).
  *
@@ -16,20 +32,20 @@
  * thresholds. NaN compares unordered: with "not u <= t" every comparison is
  * true and the count is 255, the code of NaN.
  *
- * The branch-free binary search decides the count's bits from the highest:
- * level L (1..8) compares u with the threshold at (bits found so far, 1, 0...)
- * and records its bit as bit L - 1 of an index j, so j holds the found bits in
- * reverse order and each level's table is indexed by j directly: level1 is
- * one value, level2_5[L - 2] holds 2^(L-1) values, level6/7/8 hold 32, 64 and
- * 128 (two, four and eight 16-float registers). code_of[j] reverses the bits. */
+ * Without the division: for a finite magnitude mx > 0 and any float m,
+ * RN(m / mx) > t exactly when m / mx > b, where b is the midpoint of t and the
+ * next float above it (or m / mx >= b when a tie at b rounds up, which needs
+ * a subnormal t). b * mx is exact in float64 (25 by 24 significant bits), so
+ * u > t exactly when m > RD(b * mx), rounded down to a float (or, for a tie
+ * that rounds up, m > the float below RU(b * mx)). bound[] holds b for every
+ * entry of levels and tie_up[g] the entries of group g (16 entries) whose tie
+ * rounds up: scaled by mx once per block, the levels search m itself. */
 typedef struct {
   float threshold[GEFEN_CODEBOOK_SIZE]; /* [0] unused (-inf) */
-  float level1;
-  float level2_5[4][16];
-  float level6[32];
-  float level7[64];
-  float level8[128];
-  uint8_t code_of[GEFEN_CODEBOOK_SIZE];
+  gefen_search_levels levels;
+  double bound[GEFEN_SEARCH_ENTRIES];
+  uint16_t tie_up[GEFEN_SEARCH_ENTRIES / 16];
+  uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
   /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
    * 256-byte tables, for decoding 64 codes with byte permutes */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];

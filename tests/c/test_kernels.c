@@ -86,6 +86,16 @@ static void learned_codebook(float *c, int active_bins) {
   CHECK(st == GEFEN_OK, "solve: %s", err.msg);
 }
 
+/* A uniform codebook with entries a few 2^-149 apart around 0: subnormal
+ * thresholds, some of whose midpoint ties round up (the special case of the
+ * search without division, quantizer_internal.h). */
+static void subnormal_codebook(float *c) {
+  for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+  for (int i = 112; i < 144; i++) c[i] = (float)(i - 128) * 0x1p-149f * (float)(1 + i % 3);
+  for (int i = 113; i < 144; i++)
+    if (!(c[i] > c[i - 1])) c[i] = nextafterf(c[i - 1], 1.0f);
+}
+
 static void probe_values(const float *c, float *out, int *n, int cap) {
   int k = 0;
   for (int i = 0; i < 256 && k + 8 < cap; i++) {
@@ -278,7 +288,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
   const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
   const int64_t lens[] = {1, 5, 16, 17, 27, 64, 100, 768, 2048, 3072};
   enum { MAXL = 3072 };
-  static float m1[MAXL], m2[MAXL], scol[MAXL];
+  static float m1[MAXL], m2[MAXL], m3[MAXL], scol[MAXL];
   static uint8_t codes[MAXL], c1[MAXL], c2[MAXL];
   static uint16_t g16[MAXL], p16a[MAXL], p16b[MAXL], o16a[MAXL], o16b[MAXL];
   static float g32[MAXL], p32a[MAXL], p32b[MAXL], o32a[MAXL], o32b[MAXL];
@@ -317,6 +327,9 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
             name, dt, (long long)len);
       CHECK(memcmp(&sq1, &sq2, sizeof sq1) == 0, "%s: sum of squares %.17g vs %.17g", name, sq1,
             sq2);
+      /* without the sum of squares (the factored form): the same m */
+      simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m3, NULL);
+      CHECK(memcmp(m1, m3, 4 * (size_t)len) == 0, "%s: adam_momentum without sq", name);
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
       CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: codes differ (dt %d len %lld)", name, dt,
@@ -386,9 +399,12 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
   const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
   const gefen_sink_kind kinds[4] = {GEFEN_SINK_M, GEFEN_SINK_ADAM_BLOCK,
                                     GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
+  const float *bound_src = (const float *)&q->search.levels;
   for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
-    for (int variant = 0; variant < 4; variant++) {
-      /* 0: plain, 1: special values, 2: all zero, 3: all NaN */
+    for (int variant = 0; variant < 5; variant++) {
+      /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
+       * boundaries t * mx and b * mx (b the midpoint above t) and their
+       * neighbours, with mx a power of two so that b * mx can be exact */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
         m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : normal() * 0.01f;
@@ -401,6 +417,18 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
           const int64_t i = (int64_t)(rng() % (uint64_t)len);
           memcpy(&m0[i], &specials[s], 4);
         }
+      if (variant == 4) {
+        const float scale = ldexpf(1.0f, (int)(rng() % 41) - 20);
+        for (int64_t j = 0; j < len; j++) {
+          const int e = (int)(rng() % GEFEN_SEARCH_ENTRIES);
+          const double b = q->search.bound[e];
+          const float at[4] = {bound_src[e] * scale, (float)(b * scale),
+                               nextafterf((float)(b * scale), 2.0f),
+                               nextafterf((float)(b * scale), -2.0f)};
+          m0[j] = at[rng() % 4];
+        }
+        m0[0] = scale; /* max |m| is the scale itself */
+      }
       for (int64_t j = 0; j < len; j++) {
         const float a = fabsf(m0[j]);
         mx = a > mx ? a : mx;
@@ -454,8 +482,9 @@ static void test_requantize_apply(void) {
   const gefen_block_ops *simd[3];
   const char *names[3];
   const int n = simd_tables(simd, names);
-  float c[4][256];
+  float c[5][256];
   learned_codebook(c[0], 3500);
+  subnormal_codebook(c[4]);
   learned_codebook(c[1], 40); /* padded: repeated entries */
   for (int i = 0; i < 127; i++) c[2][i] = -1.0f + (float)i / 127.0f; /* -0 and +0 */
   c[2][127] = -0.0f;
@@ -463,16 +492,75 @@ static void test_requantize_apply(void) {
   for (int i = 129; i < 256; i++) c[2][i] = (float)(i - 128) / 127.0f;
   for (int i = 0; i < 256; i++) c[3][i] = -1.0f + 2.0f * (float)i / 255.0f; /* not exact */
   for (int i = 100; i < 110; i++) c[3][i] = c[3][100] + (float)(i - 100) * 1e-5f;
-  for (int k = 0; k < 4; k++) {
+  for (int k = 0; k < 5; k++) {
     gefen_quantizer *q = NULL;
     gefen_error err;
     CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    if (q && k == 4) {
+      int ties = 0;
+      for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
+        for (int b = 0; b < 16; b++) ties += (q->search.tie_up[g] >> b) & 1;
+      CHECK(ties > 16, "the subnormal codebook has only %d ties that round up", ties);
+    }
     if (!q) continue;
     for (int s = 0; s < n; s++)
       if (q->table.exact_lut || simd[s] == gefen_block_ops_avx512vbmi())
         requantize_apply_on(simd[s], names[s], q);
     gefen_quantizer_destroy(q);
   }
+}
+
+/* The largest float <= x, the smallest float >= x. */
+static float float_down(double x) {
+  float f = (float)x;
+  return (double)f > x ? nextafterf(f, -INFINITY) : f;
+}
+static float float_up(double x) {
+  float f = (float)x;
+  return (double)f < x ? nextafterf(f, INFINITY) : f;
+}
+
+/* The rule behind the search without division (quantizer_internal.h), in
+ * plain C: RN(m / mx) > t exactly when m > G(t, mx), at and around G, for
+ * magnitudes over the whole float range (subnormal, powers of two, near
+ * FLT_MAX) and the thresholds of codebooks with normal and subnormal ones. */
+static void test_scaled_rule(void) {
+  float c[2][256];
+  learned_codebook(c[0], 3500);
+  subnormal_codebook(c[1]);
+  int64_t checked = 0;
+  for (int k = 0; k < 2; k++) {
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    gefen_quantizer_create(c[k], &q, &err);
+    if (!q) continue;
+    const float *t = (const float *)&q->search.levels;
+    for (int trial = 0; trial < 400; trial++) {
+      float mx;
+      switch (trial % 4) {
+        case 0: mx = ldexpf(1.0f, (int)(rng() % 250) - 125); break;
+        case 1: mx = uniform(0.5f, 1.0f) * ldexpf(1.0f, (int)(rng() % 250) - 124); break;
+        case 2: mx = uniform(0.0f, 1.0f) * 0x1p-126f + 0x1p-149f; break; /* subnormal */
+        default: mx = FLT_MAX * uniform(0.5f, 1.0f); break;
+      }
+      for (int e = 0; e < GEFEN_SEARCH_ENTRIES; e++) {
+        const double bm = q->search.bound[e] * (double)mx;
+        const int tie = (q->search.tie_up[e / 16] >> (e % 16)) & 1;
+        const float g = tie ? nextafterf(float_up(bm), -INFINITY) : float_down(bm);
+        const float ms[5] = {g, nextafterf(g, INFINITY), nextafterf(g, -INFINITY),
+                             t[e] * mx, (float)bm};
+        for (int i = 0; i < 5; i++) {
+          const float u = ms[i] / mx;
+          const int above_u = !(u <= t[e]), above_m = !(ms[i] <= g);
+          checked++;
+          CHECK(above_u == above_m, "t %a mx %a m %a: u > t is %d, m > G is %d", t[e], mx,
+                ms[i], above_u, above_m);
+        }
+      }
+    }
+    gefen_quantizer_destroy(q);
+  }
+  printf("  scaled thresholds: %lld comparisons\n", (long long)checked);
 }
 
 /* GEFEN_SLOW=1: the threshold count against the reference rule for every
@@ -679,6 +767,7 @@ int main(void) {
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
   printf("test_kernels: fused requantisation and sinks vs portable\n");
+  test_scaled_rule();
   test_requantize_apply();
   test_count_exhaustive();
   printf("test_kernels: dtype conversions\n");
