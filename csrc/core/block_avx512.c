@@ -122,26 +122,33 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
   }
 }
 
+/* 16 elements of a row at j: x = g^2 into the lanes and colsum[j..j+16). */
+GEFEN_AVX512_INLINE void row16(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                               int64_t j, __mmask16 k, double *colsum, __m512d *lo,
+                               __m512d *hi) {
+  gefen_prefetch(grad, gefen_esz(dt), base + j + len, 16); /* the next row */
+  const __m512 g = gefen_load16(grad, dt, base + j, k);
+  const __m512 x = _mm512_mul_ps(g, g);
+  const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
+  const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  const __m512d x_hi =
+      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  *lo = _mm512_add_pd(*lo, x_lo);
+  *hi = _mm512_add_pd(*hi, x_hi);
+  _mm512_mask_storeu_pd(colsum + j, k_lo,
+                        _mm512_add_pd(_mm512_maskz_loadu_pd(k_lo, colsum + j), x_lo));
+  _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
+                        _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
+}
+
 TARGET double gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                               double *colsum) {
+                                     double *colsum) {
   if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = gefen_tail_mask16(len - j);
-    gefen_prefetch(grad, gefen_esz(dt), base + j + len, 16); /* the next row */
-    const __m512 g = gefen_load16(grad, dt, base + j, k);
-    const __m512 x = _mm512_mul_ps(g, g);
-    const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
-    const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d x_hi =
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    lo = _mm512_add_pd(lo, x_lo);
-    hi = _mm512_add_pd(hi, x_hi);
-    _mm512_mask_storeu_pd(colsum + j, k_lo,
-                          _mm512_add_pd(_mm512_maskz_loadu_pd(k_lo, colsum + j), x_lo));
-    _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
-                          _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
-  }
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) /* a constant mask: plain loads and stores */
+    row16(grad, dt, base, len, j, (__mmask16)0xFFFF, colsum, &lo, &hi);
+  if (j < len) row16(grad, dt, base, len, j, gefen_tail_mask16(len - j), colsum, &lo, &hi);
   return gefen_sum_lanes16(lo, hi);
 }
 

@@ -73,7 +73,7 @@ GEFEN_AVX512_INLINE void gefen_store16(void *p, gefen_dtype dt, int64_t i, __m51
  * end of a buffer is harmless (no fault). */
 GEFEN_AVX512_INLINE void gefen_prefetch(const void *p, size_t esz, int64_t i, int64_t n) {
   const char *c = (const char *)p + (size_t)i * esz;
-  for (size_t off = 0; off < (size_t)n * esz; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (size_t off = 0; off < (size_t)n * esz; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
 /* Bytes per element of a float32/bfloat16/float16 buffer. */
