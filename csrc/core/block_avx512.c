@@ -5,11 +5,11 @@
  * output agrees bit for bit with the scalar path. The choice between the
  * versions (gefen_block_ops_for) is in block_scalar.c.
  *
- * The nearest-code search is the lookup table of quantizer.c: one byte
- * gather for the bucket's candidate k, two float gathers for value[k] and
- * value[k + 1], and the same |u - v| comparison as the reference rule; for
- * codebooks with repeated entries, the code and value at 2 * k + (u > value[k])
- * of the quantiser's selection tables. */
+ * The momentum and requantisation passes are block_avx512_kernels.h's
+ * (threshold search in registers); without VBMI, codebook values come from
+ * the 256 floats held in sixteen registers (vpermi2ps and three blends per
+ * 16 values) rather than from a gather, which costs 25-40 cycles on the CPUs
+ * we measured. */
 #include "block_ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -18,112 +18,55 @@
 #include "block_avx512_common.h"
 
 #define TARGET GEFEN_AVX512_TARGET
+#define INLINE GEFEN_AVX512_INLINE
 
-TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
-                                  float beta1, float one_minus_beta1, int64_t len, float *m,
-                                  double *sq) {
-  if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
-                                                one_minus_beta1, len, m, sq);
-  const float *cb = q->table.codebook;
-  const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
-               vomb1 = _mm512_set1_ps(one_minus_beta1);
-  __m512 vmx = _mm512_setzero_ps();
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = gefen_tail_mask16(len - j);
-    const __m512 g = gefen_load16(grad, dt, base + j, k);
-    const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
-    const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb1, g));
-    _mm512_mask_storeu_ps(m + j, k, v);
-    vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx); /* NaN never wins */
-    gefen_add_lanes16(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
-  }
-  if (sq) *sq += gefen_sum_lanes16(lo, hi);
-  return _mm512_reduce_max_ps(vmx);
+/* ------------------------------------------- momentum and requantisation */
+
+/* A 256-entry float table (sixteen registers) at 16 indices 0..255: vpermi2ps
+ * picks among each 32 entries by bits 0-4, blends by bits 5, 6 and 7. */
+INLINE __m512 decode16(const float *table, __m512i idx) {
+  __m512 t[8];
+  for (int k = 0; k < 8; k++)
+    t[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), idx,
+                                  _mm512_loadu_ps(table + 32 * k + 16));
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+  for (int k = 0; k < 4; k++) t[k] = _mm512_mask_blend_ps(b5, t[2 * k], t[2 * k + 1]);
+  for (int k = 0; k < 2; k++) t[k] = _mm512_mask_blend_ps(b6, t[2 * k], t[2 * k + 1]);
+  return _mm512_mask_blend_ps(b7, t[0], t[1]);
 }
 
-TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
-                                  float one_minus_beta, int64_t len, float *m) {
-  if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, q, mag_old,
-                                                one_minus_beta, len, m);
-  const float *cb = q->table.codebook;
-  const __m512 vmag = _mm512_set1_ps(mag_old), vomb = _mm512_set1_ps(one_minus_beta);
-  __m512 vmx = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = gefen_tail_mask16(len - j);
-    const __m512 g = gefen_load16(grad, dt, base + j, k);
-    const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
-    const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
-    const __m512 v = _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)));
-    _mm512_mask_storeu_ps(m + j, k, v);
-    vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx);
+INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __mmask64 km,
+                           __m512 out[4]) {
+  for (int v = 0; v < 4; v++) {
+    const __m128i c = _mm_maskz_loadu_epi8((__mmask16)(km >> (16 * v)), codes + 16 * v);
+    out[v] = decode16(s->value_of, _mm512_cvtepu8_epi32(c));
   }
-  return _mm512_reduce_max_ps(vmx);
 }
 
-/* Byte table entries at 32-bit indices (the tables are followed by other
- * fields of gefen_quant_table, so reading 4 bytes at the last index is safe). */
-TARGET static inline __m512i gather_u8(__m512i idx, const uint8_t *table) {
-  return _mm512_and_si512(_mm512_i32gather_epi32(idx, table, 1), _mm512_set1_epi32(0xff));
+/* The codes are the search's bits reversed (two nibble look-ups); the values
+ * come straight from the bits through value_of_bits. */
+INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
+                               uint8_t *codes, __mmask64 km, __m512 out[4]) {
+  const __m512i rev4 = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15));
+  for (int v = 0; v < 4; v++) {
+    const __m512i lo = _mm512_and_si512(bits[v], _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_srli_epi32(bits[v], 4);
+    const __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_shuffle_epi8(rev4, lo), 4),
+                                         _mm512_shuffle_epi8(rev4, hi));
+    _mm512_mask_cvtepi32_storeu_epi8(codes + 16 * v, (__mmask16)(km >> (16 * v)), code);
+    out[v] = decode16(s->value_of_bits, bits[v]);
+  }
 }
 
-TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                              uint8_t *codes) {
-  const gefen_quant_table *t = &q->table;
-  if (!(mx > 0.0f)) { /* u = 0 everywhere */
-    gefen_block_ops_scalar.requantize(q, m, mx, len, codes);
-    return;
-  }
-  const __m512 vmx = _mm512_set1_ps(mx), one = _mm512_set1_ps(1.0f),
-               scale = _mm512_set1_ps((float)(GEFEN_LUT_BUCKETS / 2)),
-               top = _mm512_set1_ps(t->codebook[GEFEN_CODEBOOK_SIZE - 1]);
-  const __m512i zero = _mm512_setzero_si512(),
-                last_bucket = _mm512_set1_epi32(GEFEN_LUT_BUCKETS - 1),
-                ione = _mm512_set1_epi32(1), code_nan = _mm512_set1_epi32(GEFEN_CODEBOOK_SIZE - 1);
-  /* de-interleave 2 x 8 (value[k], value[k+1]) pairs into 16 lows and 16 highs */
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const int unique = t->n_distinct == GEFEN_CODEBOOK_SIZE;
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = gefen_tail_mask16(len - j);
-    const __m512 u = _mm512_div_ps(_mm512_maskz_loadu_ps(k, m + j), vmx);
-    const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-    __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u, one), scale));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, zero), last_bucket);
-    __m512i kk = gather_u8(b, t->bucket);
-    const __m512i p_lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(kk), q->pair, 8);
-    const __m512i p_hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(kk, 1), q->pair, 8);
-    const __m512 v0 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p_lo, even, p_hi));
-    const __m512 v1 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p_lo, odd, p_hi));
-    const __m512 d0 = _mm512_abs_ps(_mm512_sub_ps(u, v0));
-    const __m512 d1 = _mm512_abs_ps(_mm512_sub_ps(u, v1));
-    const __mmask16 up = _mm512_cmp_ps_mask(d0, d1, _CMP_NLE_UQ); /* !(d0 <= d1) */
-    kk = _mm512_mask_add_epi32(kk, up, kk, ione);
-    __m512 val = _mm512_mask_blend_ps(up, v0, v1);
-    __m512i code = kk;
-    if (!unique) { /* repeated entries: first code at or below value[k], last above */
-      const __mmask16 above = _mm512_cmp_ps_mask(u, val, _CMP_GT_OQ);
-      const __m512i k2 = _mm512_add_epi32(kk, kk);
-      const __m512i sel = _mm512_mask_add_epi32(k2, above, k2, ione);
-      code = gather_u8(sel, q->sel_code);
-      /* codebook[code], which differs from value[k] in sign when a run of
-       * equal entries mixes -0 and +0 */
-      val = _mm512_i32gather_ps(sel, q->sel_value, 4);
-    }
-    code = _mm512_mask_mov_epi32(code, nan, code_nan);
-    val = _mm512_mask_mov_ps(val, nan, top);
-    _mm512_mask_storeu_ps(m + j, k, _mm512_mul_ps(val, vmx));
-    _mm512_mask_cvtepi32_storeu_epi8(codes + j, k, code);
-  }
-}
+#include "block_avx512_kernels.h"
+
+/* ------------------------------------------------------------ other passes */
 
 /* 16 elements of a row at j: x = g^2 into the lanes and colsum[j..j+16). */
-GEFEN_AVX512_INLINE void row16(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+INLINE void row16(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
                                int64_t j, __mmask16 k, double *colsum, __m512d *lo,
                                __m512d *hi) {
   gefen_prefetch(grad, gefen_esz(dt), base + j + len, 16); /* the next row */
@@ -208,13 +151,6 @@ TARGET void gefen_avx512_muon_output(void *out, gefen_dtype out_dt, const void *
                         _mm512_mul_ps(vomb, gefen_load16(grad, dt, base + j, k)));
     gefen_store16(out, out_dt, base + j, o, k);
   }
-}
-
-static const gefen_block_ops ops_avx512;
-
-static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                             uint8_t *codes, const gefen_sink *sink) {
-  gefen_requantize_apply_with(&ops_avx512, q, m, mx, len, codes, sink);
 }
 
 static const gefen_block_ops ops_avx512 = {

@@ -6,6 +6,7 @@
 #ifndef GEFEN_BLOCK_AVX512_COMMON_H
 #define GEFEN_BLOCK_AVX512_COMMON_H
 
+#include <float.h>
 #include <immintrin.h>
 
 #include "block_ops.h"

@@ -139,8 +139,8 @@ typedef struct {
 extern const gefen_block_ops gefen_block_ops_scalar;
 
 /* The fastest primitives for this CPU and quantiser (NULL: any quantiser):
- * AVX-512 with VBMI, AVX-512, AVX2, then portable; the AVX-512 and AVX2
- * versions need an exact lookup table, the VBMI version does not. */
+ * AVX-512 with VBMI, AVX-512, AVX2, then portable; the AVX2 version needs an
+ * exact lookup table, the AVX-512 versions do not. */
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q);
 
 /* The AVX-512 + VBMI primitives, or NULL when this CPU (or build) has none. */

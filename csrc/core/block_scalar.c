@@ -392,12 +392,12 @@ const gefen_block_ops gefen_block_ops_scalar = {
 /* ------------------------------------------------------------- dispatch */
 
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
-  /* the threshold search of the VBMI version is exact for every codebook */
+  /* the threshold search of the AVX-512 versions is exact for every codebook */
   const gefen_block_ops *ops = gefen_block_ops_avx512vbmi();
+  if (!ops) ops = gefen_block_ops_avx512();
   if (ops) return ops;
-  /* the other SIMD requantisations need the exact lookup table */
+  /* the AVX2 requantisation needs the exact lookup table */
   if (q && !q->table.exact_lut) return &gefen_block_ops_scalar;
-  ops = gefen_block_ops_avx512();
-  if (!ops) ops = gefen_block_ops_avx2();
+  ops = gefen_block_ops_avx2();
   return ops ? ops : &gefen_block_ops_scalar;
 }

@@ -146,6 +146,8 @@ static void build_search(gefen_quant_search *s, const float *c) {
     uint32_t bits;
     memcpy(&bits, &c[j], sizeof bits);
     for (int b = 0; b < 4; b++) s->plane[b][j] = (uint8_t)(bits >> (8 * b));
+    s->value_of[j] = c[j];
+    s->value_of_bits[j] = c[s->code_of[j]];
   }
 }
 

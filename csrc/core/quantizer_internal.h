@@ -46,6 +46,10 @@ typedef struct {
   double bound[GEFEN_SEARCH_ENTRIES];
   uint16_t tie_up[GEFEN_SEARCH_ENTRIES / 16];
   uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
+  /* codebook[code] by code, and by the search's reversed bits j (value of
+   * code_of[j]): sixteen 16-float registers each, for decoding without VBMI */
+  float value_of[GEFEN_CODEBOOK_SIZE];
+  float value_of_bits[GEFEN_CODEBOOK_SIZE];
   /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
    * 256-byte tables, for decoding 64 codes with byte permutes */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];

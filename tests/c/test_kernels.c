@@ -183,7 +183,7 @@ static void test_quantizer_on(const float *c, int expect_exact) {
   const char *names[3];
   const int ns = simd_tables(simd, names);
   for (int s = 0; s < ns; s++) {
-    if (!expect_exact && simd[s] != gefen_block_ops_avx512vbmi()) continue;
+    if (!expect_exact && simd[s] == gefen_block_ops_avx2()) continue; /* needs the table */
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
     m1[n / 2] = m2[n / 2] = NAN;
     for (int len = 1; len <= 40; len++) {
@@ -504,7 +504,7 @@ static void test_requantize_apply(void) {
     }
     if (!q) continue;
     for (int s = 0; s < n; s++)
-      if (q->table.exact_lut || simd[s] == gefen_block_ops_avx512vbmi())
+      if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
         requantize_apply_on(simd[s], names[s], q);
     gefen_quantizer_destroy(q);
   }
