@@ -7,10 +7,12 @@
  *
  *   bash benchmarks/core_breakdown.sh        (builds and runs this after the breakdown)
  *   core_step [d] [steps]                    (default d = 2048, the 16M set; 4096: 64M)
+ *   GEFEN_BENCH_HUGE=1 core_step ...         the same on transparent huge pages
  *
  * Each figure is the median and the minimum of `steps` steps (ms). */
-#define _POSIX_C_SOURCE 199309L
+#define _DEFAULT_SOURCE
 #include <math.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +71,18 @@ static float randn(void) { /* a rough normal from the sum of uniforms */
   return (s - 2.0f) * 1.7f;
 }
 
+/* GEFEN_BENCH_HUGE=1: big buffers on 2 MiB-aligned memory advised for
+ * transparent huge pages (what torch does with THP_MEM_ALLOC_ENABLE=1). */
+static void *alloc_big(size_t bytes) {
+  const char *huge = getenv("GEFEN_BENCH_HUGE");
+  if (!huge || strcmp(huge, "1") != 0 || bytes < (1u << 21)) return malloc(bytes);
+  void *p = NULL;
+  const size_t rounded = (bytes + (1u << 21) - 1) & ~(size_t)((1u << 21) - 1);
+  if (posix_memalign(&p, 1u << 21, rounded) != 0) return NULL;
+  madvise(p, rounded, MADV_HUGEPAGE);
+  return p;
+}
+
 static void store(void *p, gefen_dtype dt, int64_t i, float v) {
   if (dt == GEFEN_F32) {
     ((float *)p)[i] = v;
@@ -88,10 +102,11 @@ static void make_set(param_set *s, int64_t d, gefen_dtype dt) {
     const int64_t n = rows[t] * cols[t];
     s->rows[t] = rows[t];
     s->cols[t] = cols[t];
-    s->param[t] = malloc((size_t)n * esz);
-    s->grad[t] = malloc((size_t)n * esz);
-    s->out[t] = malloc((size_t)n * 2);
-    s->codes[t] = calloc((size_t)n, 1);
+    s->param[t] = alloc_big((size_t)n * esz);
+    s->grad[t] = alloc_big((size_t)n * esz);
+    s->out[t] = alloc_big((size_t)n * 2);
+    s->codes[t] = alloc_big((size_t)n);
+    memset(s->codes[t], 0, (size_t)n);
     s->magnitude[t] = calloc((size_t)rows[t], sizeof(float)); /* period = cols */
     s->vmean[t] = calloc((size_t)rows[t], sizeof(float));
     s->v_row[t] = calloc((size_t)rows[t], sizeof(float));
