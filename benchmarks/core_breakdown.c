@@ -84,7 +84,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
       double t7 = now();
       ops->requantize_apply(q, m0, mx, P, codes + base, &fsink);
       double t8 = now();
-      ops->row_stats(g, GEFEN_F32, base, P, colsum);
+      double sums[4]; /* the block as 4 rows of P / 4, as the factored pass reads them */
+      ops->row_stats(g, GEFEN_F32, base, P / 4, 4, colsum, sums);
       double t9 = now();
       const gefen_sink msink = {.kind = GEFEN_SINK_MUON, .out = out, .out_dtype = GEFEN_BF16,
                                 .grad = g, .dtype = GEFEN_F32, .base = base, .beta = 0.95f,

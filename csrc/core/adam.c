@@ -71,12 +71,16 @@ static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops
                                 int64_t r0, int64_t r1, double *colsum, double *vrow_sum) {
   const int64_t cols = it->cols;
   const float b2 = (float)it->beta2, omb2 = (float)(1.0 - it->beta2);
-  double vsum = 0.0;
-  for (int64_t r = r0; r < r1; r++) {
-    const double mean = ops->row_stats(it->grad, it->dtype, r * cols, cols, colsum) / (double)cols;
-    it->row_stats[r] = mean;
-    const float vr = b2 * it->v_row[r] + omb2 * (float)mean;
-    vsum += vr;
+  double vsum = 0.0, sums[8];
+  for (int64_t r = r0; r < r1; r += 8) {
+    const int64_t n = r1 - r < 8 ? r1 - r : 8;
+    ops->row_stats(it->grad, it->dtype, r * cols, cols, n, colsum, sums);
+    for (int64_t i = 0; i < n; i++) {
+      const double mean = sums[i] / (double)cols;
+      it->row_stats[r + i] = mean;
+      const float vr = b2 * it->v_row[r + i] + omb2 * (float)mean;
+      vsum += vr;
+    }
   }
   *vrow_sum += vsum;
 }

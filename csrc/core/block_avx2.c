@@ -321,12 +321,20 @@ INLINE double row_stats_t(const void *grad, const gefen_dtype dt, int64_t base, 
   return gefen_sum_lanes(lanes);
 }
 
-TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                               double *colsum) {
-  if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
+TARGET static double row_stats_one(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                                   double *colsum) {
 #define CALL(DT) return row_stats_t(grad, DT, base, len, colsum)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
+}
+
+TARGET static void row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                             int64_t rows, double *colsum, double *sums) {
+  if (dt == GEFEN_F64) {
+    gefen_block_ops_scalar.row_stats(grad, dt, base, len, rows, colsum, sums);
+    return;
+  }
+  for (int64_t r = 0; r < rows; r++) sums[r] = row_stats_one(grad, dt, base + r * len, len, colsum);
 }
 
 /* ------------------------------------------------------------ parameters */

@@ -65,34 +65,53 @@ INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4
 
 /* ------------------------------------------------------------ other passes */
 
-/* 16 elements of a row at j: x = g^2 into the lanes and colsum[j..j+16). */
-INLINE void row16(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                               int64_t j, __mmask16 k, double *colsum, __m512d *lo,
-                               __m512d *hi) {
-  gefen_prefetch(grad, gefen_esz(dt), base + j + len, 16); /* the next row */
-  const __m512 g = gefen_load16(grad, dt, base + j, k);
-  const __m512 x = _mm512_mul_ps(g, g);
+/* 16 columns at j of n rows (n <= ROWS_AT_ONCE, a constant): each row's
+ * x = g^2 into its lanes and, row after row, into colsum[j..j+16), which is
+ * loaded and stored once. */
+#define ROWS_AT_ONCE 4
+INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
+                   int64_t j, __mmask16 k, double *colsum, __m512d *lo, __m512d *hi) {
   const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
-  const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-  const __m512d x_hi =
-      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  *lo = _mm512_add_pd(*lo, x_lo);
-  *hi = _mm512_add_pd(*hi, x_hi);
-  _mm512_mask_storeu_pd(colsum + j, k_lo,
-                        _mm512_add_pd(_mm512_maskz_loadu_pd(k_lo, colsum + j), x_lo));
-  _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
-                        _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
+  __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
+  __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
+  for (int r = 0; r < n; r++) {
+    const int64_t at = base + r * len + j;
+    gefen_prefetch(grad, gefen_esz(dt), at + n * len, 16); /* the next rows */
+    const __m512 g = gefen_load16(grad, dt, at, k);
+    const __m512 x = _mm512_mul_ps(g, g);
+    const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d x_hi =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    lo[r] = _mm512_add_pd(lo[r], x_lo); /* masked lanes add 0 */
+    hi[r] = _mm512_add_pd(hi[r], x_hi);
+    c_lo = _mm512_add_pd(c_lo, x_lo);
+    c_hi = _mm512_add_pd(c_hi, x_hi);
+  }
+  _mm512_mask_storeu_pd(colsum + j, k_lo, c_lo);
+  _mm512_mask_storeu_pd(colsum + j + 8, k_hi, c_hi);
 }
 
-TARGET double gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                                     double *colsum) {
-  if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
+                   double *colsum, double *sums) {
+  __m512d lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE];
+  for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_pd();
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) /* a constant mask: plain loads and stores */
-    row16(grad, dt, base, len, j, (__mmask16)0xFFFF, colsum, &lo, &hi);
-  if (j < len) row16(grad, dt, base, len, j, gefen_tail_mask16(len - j), colsum, &lo, &hi);
-  return gefen_sum_lanes16(lo, hi);
+    rows16(grad, dt, base, len, n, j, (__mmask16)0xFFFF, colsum, lo, hi);
+  if (j < len) rows16(grad, dt, base, len, n, j, gefen_tail_mask16(len - j), colsum, lo, hi);
+  for (int r = 0; r < n; r++) sums[r] = gefen_sum_lanes16(lo[r], hi[r]);
+}
+
+TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                                   int64_t rows, double *colsum, double *sums) {
+  if (dt == GEFEN_F64) {
+    gefen_block_ops_scalar.row_stats(grad, dt, base, len, rows, colsum, sums);
+    return;
+  }
+  int64_t r = 0;
+  for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE)
+    rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, colsum, sums + r);
+  for (; r < rows; r++) rows_t(grad, dt, base + r * len, len, 1, colsum, sums + r);
 }
 
 TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,

@@ -96,8 +96,8 @@ GEFEN_AVX512_INLINE double gefen_sum_lanes16(__m512d lo, __m512d hi) {
 }
 
 /* The AVX-512 primitives of block_avx512.c that the VBMI table reuses. */
-double gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                              double *colsum);
+void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                            int64_t rows, double *colsum, double *sums);
 void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
                               int64_t len, float s, float decay, float lr);
 void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,

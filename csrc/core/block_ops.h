@@ -118,10 +118,13 @@ typedef struct {
    * overwritten). */
   void (*requantize_apply)(const gefen_quantizer *q, float *m, float mx, int64_t len,
                            uint8_t *codes, const gefen_sink *sink);
-  /* Factored statistics of one row: adds g_j^2 to colsum[j] (float64) and
-   * returns the row's sum of g^2. */
-  double (*row_stats)(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                      double *colsum);
+  /* Factored statistics of `rows` consecutive rows of len elements from
+   * base: adds each row's g_j^2 to colsum[j] (float64), row after row, and
+   * writes each row's sum of g^2 to sums[r]. (Several rows at once, so that
+   * colsum is read and written once per few rows; the order of the
+   * additions is the same.) */
+  void (*row_stats)(const void *grad, gefen_dtype dt, int64_t base, int64_t len, int64_t rows,
+                    double *colsum, double *sums);
   /* p = p * decay - lr * (mq * s) with one step size s for the block. */
   void (*apply_block)(void *param, gefen_dtype dt, int64_t base, const float *mq,
                       int64_t len, float s, float decay, float lr);

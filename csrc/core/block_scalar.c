@@ -344,11 +344,16 @@ static GEFEN_ALWAYS_INLINE double row_stats_t(const void *grad, const gefen_dtyp
   return gefen_sum_lanes(lanes);
 }
 
-static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                        double *colsum) {
+static double row_stats_one(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                            double *colsum) {
 #define CALL(DT) return row_stats_t(grad, DT, base, len, colsum)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
+}
+
+static void row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len, int64_t rows,
+                      double *colsum, double *sums) {
+  for (int64_t r = 0; r < rows; r++) sums[r] = row_stats_one(grad, dt, base + r * len, len, colsum);
 }
 
 /* ------------------------------------------------------------------ sinks */

@@ -344,11 +344,20 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
       simd->apply_factored(pb, dt, 0, m2, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f, 1e-3f);
       CHECK(memcmp(pa, pb, esz * (size_t)len) == 0,
             "%s: apply_factored differs (dt %d len %lld)", name, dt, (long long)len);
-      for (int64_t j = 0; j < len; j++) cs1[j] = cs2[j] = 0.5;
-      double r1 = gefen_block_ops_scalar.row_stats(g, dt, 0, len, cs1);
-      double r2 = simd->row_stats(g, dt, 0, len, cs2);
-      CHECK(memcmp(&r1, &r2, sizeof r1) == 0, "%s: row sums %.17g vs %.17g", name, r1, r2);
-      CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "%s: column sums differ", name);
+      /* 1..7 rows of len / rows elements (so several rows at once, and the
+       * rest one by one) */
+      for (int64_t rows = 1; rows <= 7 && rows <= len; rows++) {
+        const int64_t cols = len / rows;
+        double r1[7], r2[7];
+        for (int64_t j = 0; j < cols; j++) cs1[j] = cs2[j] = 0.5;
+        gefen_block_ops_scalar.row_stats(g, dt, 0, cols, rows, cs1, r1);
+        simd->row_stats(g, dt, 0, cols, rows, cs2, r2);
+        CHECK(memcmp(r1, r2, sizeof(double) * (size_t)rows) == 0,
+              "%s: row sums %.17g vs %.17g (%lld rows of %lld)", name, r1[0], r2[0],
+              (long long)rows, (long long)cols);
+        CHECK(memcmp(cs1, cs2, 8 * (size_t)cols) == 0, "%s: column sums differ (%lld rows)", name,
+              (long long)rows);
+      }
       /* GefenMuon momentum and its Newton-Schulz input */
       mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m1);
       mx2 = simd->muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m2);
