@@ -1,7 +1,21 @@
 /* Where the time of a Gefen step goes on this CPU: each block primitive of the C core
- * timed alone (ns per element), in cache (a few blocks) and out of cache (64M elements),
- * for the AVX-512, AVX2 and portable versions (the SIMD ones where this CPU has them).
+ * timed alone (ns per element, one thread), in cache (a few blocks) and out of cache
+ * (64M elements), for every version this CPU has (AVX-512 + VBMI, AVX-512, AVX2,
+ * portable). In cache, each figure is the best of several repetitions, so that a busy
+ * machine disturbs it less.
+ *
+ *   momentum      dequantise, update the momentum, max |m| and (block form) the sum
+ *                 of g^2
+ *   requantize    nearest codes of m / max|m|, dequantised values back into m
+ *   apply         p = p * decay - lr * mq * s (block: one s; factored: s per element)
+ *   fused         requantize_apply: the requantisation and the apply in one pass
+ *   row_stats     the factored form's first pass (sums of g^2 per row and column)
+ *   muon          GefenMuon's momentum and fused requantisation into a bf16 output
+ *
+ * A block step is momentum + fused (or requantize + apply); a factored step adds the
+ * row statistics.
  *   bash benchmarks/core_breakdown.sh */
+#define _POSIX_C_SOURCE 199309L
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,9 +30,17 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static void run(const char *label, const gefen_block_ops *ops, int64_t n, int64_t P) {
+enum { N_STAGES = 9 };
+static const char *stage_names[N_STAGES] = {
+    "momentum(block)", "requantize",      "apply(block)", "apply(factored)",
+    "fused(block)",    "fused(factored)", "row_stats",    "muon(momentum+fused)",
+    "momentum(factored)"};
+
+static void run(const char *label, const gefen_block_ops *ops, const gefen_quantizer *q,
+                int64_t n, int64_t P) {
+  uint16_t *out = malloc((size_t)n * 2);
   float *g = malloc((size_t)n * 4), *p = malloc((size_t)n * 4), *m = malloc((size_t)P * 4),
-        *scol = malloc((size_t)P * 4);
+        *m0 = malloc((size_t)P * 4), *scol = malloc((size_t)P * 4);
   uint8_t *codes = malloc((size_t)n);
   double *colsum = calloc((size_t)P, 8);
   srand(1);
@@ -28,6 +50,82 @@ static void run(const char *label, const gefen_block_ops *ops, int64_t n, int64_
     codes[i] = (uint8_t)(rand() & 255);
   }
   for (int64_t j = 0; j < P; j++) scol[j] = 0.5f;
+  const int64_t nblk = n / P;
+  const int in_cache = n <= (1 << 16);
+  const int reps = in_cache ? 200 : 3;
+  double best[N_STAGES], sum[N_STAGES];
+  for (int s = 0; s < N_STAGES; s++) best[s] = 1e30, sum[s] = 0.0;
+  for (int r = 0; r < reps; r++) {
+    double t[N_STAGES] = {0};
+    for (int64_t b = 0; b < nblk; b++) {
+      const int64_t base = b * P;
+      double sq = 0.0;
+      double t0 = now();
+      const float mx = ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f,
+                                          0.1f, P, m, &sq);
+      double t1 = now();
+      memcpy(m0, m, (size_t)P * 4);
+      double t2 = now();
+      ops->requantize(q, m, mx, P, codes + base);
+      double t3 = now();
+      ops->apply_block(p, GEFEN_F32, base, m, P, 0.1f, 0.999f, 1e-6f);
+      double t4 = now();
+      ops->apply_factored(p, GEFEN_F32, base, m, P, 0.3f, scol, 1.0f, 1e-8f, 0.999f, 1e-6f);
+      double t5 = now();
+      const gefen_sink sink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = p, .out_dtype = GEFEN_F32,
+                               .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-6f};
+      ops->requantize_apply(q, m0, mx, P, codes + base, &sink);
+      double t6 = now();
+      const gefen_sink fsink = {.kind = GEFEN_SINK_ADAM_FACTORED, .out = p,
+                                .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = scol,
+                                .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-6f};
+      double t6b = now();
+      ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f, 0.1f, P, m0, NULL);
+      double t7 = now();
+      ops->requantize_apply(q, m0, mx, P, codes + base, &fsink);
+      double t8 = now();
+      double sums[4]; /* the block as 4 rows of P / 4, as the factored pass reads them */
+      ops->row_stats(g, GEFEN_F32, base, P / 4, 4, colsum, sums);
+      double t9 = now();
+      const gefen_sink msink = {.kind = GEFEN_SINK_MUON, .out = out, .out_dtype = GEFEN_BF16,
+                                .grad = g, .dtype = GEFEN_F32, .base = base, .beta = 0.95f,
+                                .one_minus_beta = 0.05f, .nesterov = 1};
+      const float mxm =
+          ops->muon_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.05f, P, m0);
+      ops->requantize_apply(q, m0, mxm, P, codes + base, &msink);
+      double t10 = now();
+      t[0] += t1 - t0;
+      t[1] += t3 - t2;
+      t[2] += t4 - t3;
+      t[3] += t5 - t4;
+      t[4] += t6 - t5;
+      t[5] += t8 - t7;
+      t[8] += t7 - t6b;
+      t[6] += t9 - t8;
+      t[7] += t10 - t9;
+    }
+    for (int s = 0; s < N_STAGES; s++) {
+      best[s] = t[s] < best[s] ? t[s] : best[s];
+      sum[s] += t[s];
+    }
+  }
+  const double e = 1e9 / ((double)nblk * (double)P);
+  printf("%-10s %-9s", label, in_cache ? "in-cache" : "in-memory");
+  for (int s = 0; s < N_STAGES; s++)
+    printf("  %s %.3f", stage_names[s], (in_cache ? best[s] : sum[s] / reps) * e);
+  printf("  ns/element\n");
+  free(out);
+  free(g);
+  free(p);
+  free(m);
+  free(m0);
+  free(scol);
+  free(codes);
+  free(colsum);
+}
+
+int main(void) {
+  const int64_t P = 2048;
   int64_t hist[GEFEN_HIST_BINS];
   for (int i = 0; i < GEFEN_HIST_BINS; i++)
     hist[i] = 1 + (int64_t)(1000 * exp(-((i - 2048) / 400.0) * ((i - 2048) / 400.0)));
@@ -37,55 +135,20 @@ static void run(const char *label, const gefen_block_ops *ops, int64_t n, int64_
   if (gefen_codebook_solve(hist, cb, &err) != GEFEN_OK ||
       gefen_quantizer_create(cb, &q, &err) != GEFEN_OK) {
     fprintf(stderr, "setup failed: %s\n", err.msg);
-    exit(1);
+    return 1;
   }
-  const int64_t nblk = n / P;
-  const int reps = (int)(n < (1 << 22) ? (1 << 26) / n : 3);
-  double t_m = 0, t_q = 0, t_a = 0, t_f = 0, t_r = 0, sq;
-  for (int r = 0; r < reps; r++) {
-    for (int64_t b = 0; b < nblk; b++) {
-      const int64_t base = b * P;
-      double t0 = now();
-      float mx = ops->adam_momentum(g, GEFEN_F32, base, codes + base, cb, 0.5f, 0.9f, 0.1f, P,
-                                    m, &sq);
-      double t1 = now();
-      ops->requantize(q, m, mx, P, codes + base);
-      double t2 = now();
-      ops->apply_block(p, GEFEN_F32, base, m, P, 0.1f, 0.999f, 1e-6f);
-      double t3 = now();
-      ops->apply_factored(p, GEFEN_F32, base, m, P, 0.3f, scol, 1.0f, 1e-8f, 0.999f, 1e-6f);
-      double t4 = now();
-      ops->row_stats(g, GEFEN_F32, base, P, colsum);
-      double t5 = now();
-      t_m += t1 - t0;
-      t_q += t2 - t1;
-      t_a += t3 - t2;
-      t_f += t4 - t3;
-      t_r += t5 - t4;
-    }
-  }
-  const double e = 1e9 / ((double)reps * (double)nblk * (double)P);
-  printf("%-9s %-10s n=%-9lld momentum %.3f  requantize %.3f  apply(block) %.3f  "
-         "apply(factored) %.3f  row_stats %.3f  ns/element\n",
-         label, n <= (1 << 16) ? "in-cache" : "in-memory", (long long)n, t_m * e, t_q * e,
-         t_a * e, t_f * e, t_r * e);
-  gefen_quantizer_destroy(q);
-  free(g);
-  free(p);
-  free(m);
-  free(scol);
-  free(codes);
-  free(colsum);
-}
-
-int main(void) {
-  const int64_t P = 2048;
-  const gefen_block_ops *avx512 = gefen_block_ops_avx512(), *avx2 = gefen_block_ops_avx2();
+  const struct {
+    const char *name;
+    const gefen_block_ops *ops;
+  } paths[] = {{"avx512vbmi", gefen_block_ops_avx512vbmi()},
+               {"avx512", gefen_block_ops_avx512()},
+               {"avx2", gefen_block_ops_avx2()},
+               {"portable", &gefen_block_ops_scalar}};
   for (int pass = 0; pass < 2; pass++) {
     const int64_t n = pass == 0 ? 8 * P : (int64_t)1 << 26;
-    if (avx512) run("avx512", avx512, n, P);
-    if (avx2) run("avx2", avx2, n, P);
-    run("portable", &gefen_block_ops_scalar, n, P);
+    for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++)
+      if (paths[i].ops) run(paths[i].name, paths[i].ops, q, n, P);
   }
+  gefen_quantizer_destroy(q);
   return 0;
 }

@@ -130,7 +130,7 @@ def report() -> dict:
             "CUDA kernels": _cuda_build_line(info),
         },
         "this machine": {
-            "CPU kernels": f"{_C.simd_path()} (chosen at run time; avx512, avx2 and portable "
+            "CPU kernels": f"{_C.simd_path()} (chosen at run time; avx512vbmi, avx512, avx2 and portable "
                            f"give the same bits)",
             "threads": _threads_line(_C),
             "CUDA device": "visible" if _C.cuda_available()

@@ -71,12 +71,16 @@ static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops
                                 int64_t r0, int64_t r1, double *colsum, double *vrow_sum) {
   const int64_t cols = it->cols;
   const float b2 = (float)it->beta2, omb2 = (float)(1.0 - it->beta2);
-  double vsum = 0.0;
-  for (int64_t r = r0; r < r1; r++) {
-    const double mean = ops->row_stats(it->grad, it->dtype, r * cols, cols, colsum) / (double)cols;
-    it->row_stats[r] = mean;
-    const float vr = b2 * it->v_row[r] + omb2 * (float)mean;
-    vsum += vr;
+  double vsum = 0.0, sums[8];
+  for (int64_t r = r0; r < r1; r += 8) {
+    const int64_t n = r1 - r < 8 ? r1 - r : 8;
+    ops->row_stats(it->grad, it->dtype, r * cols, cols, n, colsum, sums);
+    for (int64_t i = 0; i < n; i++) {
+      const double mean = sums[i] / (double)cols;
+      it->row_stats[r + i] = mean;
+      const float vr = b2 * it->v_row[r + i] + omb2 * (float)mean;
+      vsum += vr;
+    }
   }
   *vrow_sum += vsum;
 }
@@ -178,26 +182,49 @@ static void factored_columns(const gefen_adam_item *it, const adam_consts *k,
   }
 }
 
+/* The requantisation of a block and the parameter update that follows it,
+ * in one pass (ops->requantize_apply) unless rounding stochastically. */
+static void finish_block(const gefen_adam_item *it, const gefen_quantizer *q,
+                         const gefen_block_ops *ops, float *m, float mx, int64_t base,
+                         int64_t global_base, const gefen_sink *sink) {
+  uint8_t *codes = it->codes + base;
+  const int64_t P = it->period;
+  if (it->stochastic_round) {
+    gefen_requantize_stochastic(q, m, mx, P, codes, it->seed, global_base);
+    gefen_sink_apply(ops, m, P, sink);
+  } else {
+    ops->requantize_apply(q, m, mx, P, codes, sink);
+  }
+}
+
+static gefen_sink adam_sink(const gefen_adam_item *it, const adam_consts *k,
+                            gefen_sink_kind kind) {
+  return (gefen_sink){.kind = kind,
+                      .out = it->param,
+                      .out_dtype = it->dtype,
+                      .inv_bc1 = k->inv_bc1,
+                      .eps = k->eps,
+                      .decay = k->decay,
+                      .lr = k->lr};
+}
+
 static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
                         const gefen_quantizer *q, const gefen_block_ops *ops, int64_t b0,
                         int64_t b1, float *m) {
   const int64_t P = it->period, nb = it->cols / P;
+  gefen_sink sink = adam_sink(it, k, GEFEN_SINK_ADAM_BLOCK);
   for (int64_t b = b0; b < b1; b++) {
     const int64_t base = b * P;
     double sq = 0.0;
-    const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q->table.codebook,
+    const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
                                         it->magnitude[b], k->beta1, k->one_minus_beta1, P, m, &sq);
     it->magnitude[b] = mx;
     const float vm = k->beta2 * it->vmean[b] + k->one_minus_beta2 * (float)(sq / (double)P);
     it->vmean[b] = vm;
-    const float s = k->inv_bc1 / (sqrtf(vm) * k->rs_bc2 + k->eps);
-    if (it->stochastic_round) {
-      const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
-      gefen_requantize_stochastic(q, m, mx, P, it->codes + base, it->seed, global_base);
-    } else {
-      ops->requantize(q, m, mx, P, it->codes + base);
-    }
-    ops->apply_block(it->param, it->dtype, base, m, P, s, k->decay, k->lr);
+    sink.s = k->inv_bc1 / (sqrtf(vm) * k->rs_bc2 + k->eps);
+    sink.base = base;
+    const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
+    finish_block(it, q, ops, m, mx, base, global_base, &sink);
   }
 }
 
@@ -205,25 +232,21 @@ static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
                            const gefen_quantizer *q, const gefen_block_ops *ops, int64_t r0,
                            int64_t r1, float *m) {
   const int64_t P = it->period, cols = it->cols;
+  gefen_sink sink = adam_sink(it, k, GEFEN_SINK_ADAM_FACTORED);
   for (int64_t r = r0; r < r1; r++) {
     const float vr = k->beta2 * it->v_row[r] + k->one_minus_beta2 * (float)it->row_stats[r];
     it->v_row[r] = vr;
-    const float srow = sqrtf(vr);
+    sink.s = sqrtf(vr);
     for (int64_t c0 = 0; c0 < cols; c0 += P) {
       const int64_t base = r * cols + c0, b = base / P;
-      double sq = 0.0;
-      const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base,
-                                          q->table.codebook, it->magnitude[b], k->beta1,
-                                          k->one_minus_beta1, P, m, &sq);
+      /* the block's sum of squares is not needed: sq = NULL */
+      const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
+                                          it->magnitude[b], k->beta1, k->one_minus_beta1, P, m,
+                                          NULL);
       it->magnitude[b] = mx;
-      if (it->stochastic_round) {
-        const int64_t global_base = (it->row_offset + r) * cols + c0;
-        gefen_requantize_stochastic(q, m, mx, P, it->codes + base, it->seed, global_base);
-      } else {
-        ops->requantize(q, m, mx, P, it->codes + base);
-      }
-      ops->apply_factored(it->param, it->dtype, base, m, P, srow, k->scol + c0, k->inv_bc1,
-                          k->eps, k->decay, k->lr);
+      sink.base = base;
+      sink.scol = k->scol + c0;
+      finish_block(it, q, ops, m, mx, base, (it->row_offset + r) * cols + c0, &sink);
     }
   }
 }

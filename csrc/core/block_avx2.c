@@ -153,17 +153,18 @@ INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
     const float x = g * g;
     lanes[j % GEFEN_SUM_LANES] += x;
   }
-  *sq += gefen_sum_lanes(lanes);
+  if (sq) *sq += gefen_sum_lanes(lanes);
   return mx;
 }
 
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float beta1, float one_minus_beta1, int64_t len, float *m,
                                   double *sq) {
   if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, cb, mag_old, beta1,
+    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
                                                 one_minus_beta1, len, m, sq);
+  const float *cb = q->table.codebook;
 #define CALL(DT) \
   return adam_momentum_t(grad, DT, base, codes, cb, mag_old, beta1, one_minus_beta1, len, m, sq)
   DTYPE_SWITCH(dt, CALL)
@@ -171,8 +172,9 @@ TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base
 }
 
 INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t base,
-                             const uint8_t *codes, const float *cb, float mag_old,
+                             const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                              float one_minus_beta, int64_t len, float *m) {
+  const float *cb = q->table.codebook;
   const __m256 vmag = _mm256_set1_ps(mag_old), vomb = _mm256_set1_ps(one_minus_beta);
   __m256 vmx = _mm256_setzero_ps();
   int64_t j = 0;
@@ -186,7 +188,7 @@ INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
   }
   float mx = max8(vmx);
   if (j < len) {
-    const float t = gefen_block_ops_scalar.muon_momentum(grad, dt, base + j, codes + j, cb,
+    const float t = gefen_block_ops_scalar.muon_momentum(grad, dt, base + j, codes + j, q,
                                                          mag_old, one_minus_beta, len - j,
                                                          m + j);
     mx = t > mx ? t : mx;
@@ -195,12 +197,12 @@ INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
 }
 
 TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float one_minus_beta, int64_t len, float *m) {
   if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, cb, mag_old,
+    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, q, mag_old,
                                                 one_minus_beta, len, m);
-#define CALL(DT) return muon_momentum_t(grad, DT, base, codes, cb, mag_old, one_minus_beta, len, m)
+#define CALL(DT) return muon_momentum_t(grad, DT, base, codes, q, mag_old, one_minus_beta, len, m)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
 }
@@ -319,12 +321,20 @@ INLINE double row_stats_t(const void *grad, const gefen_dtype dt, int64_t base, 
   return gefen_sum_lanes(lanes);
 }
 
-TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                               double *colsum) {
-  if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
+TARGET static double row_stats_one(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                                   double *colsum) {
 #define CALL(DT) return row_stats_t(grad, DT, base, len, colsum)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
+}
+
+TARGET static void row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                             int64_t rows, double *colsum, double *sums) {
+  if (dt == GEFEN_F64) {
+    gefen_block_ops_scalar.row_stats(grad, dt, base, len, rows, colsum, sums);
+    return;
+  }
+  for (int64_t r = 0; r < rows; r++) sums[r] = row_stats_one(grad, dt, base + r * len, len, colsum);
 }
 
 /* ------------------------------------------------------------ parameters */
@@ -431,9 +441,16 @@ TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, 
   }
 }
 
+static const gefen_block_ops ops_avx2;
+
+static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                             uint8_t *codes, const gefen_sink *sink) {
+  gefen_requantize_apply_with(&ops_avx2, q, m, mx, len, codes, sink);
+}
+
 static const gefen_block_ops ops_avx2 = {
-    adam_momentum, muon_momentum, requantize, row_stats,
-    apply_block,   apply_factored, muon_output,
+    adam_momentum, muon_momentum,  requantize,  requantize_apply,
+    row_stats,     apply_block,    apply_factored, muon_output,
 };
 
 static int cpu_has_avx2(void) {

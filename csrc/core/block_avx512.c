@@ -5,209 +5,116 @@
  * output agrees bit for bit with the scalar path. The choice between the
  * versions (gefen_block_ops_for) is in block_scalar.c.
  *
- * The nearest-code search is the lookup table of quantizer.c: one byte
- * gather for the bucket's candidate k, two float gathers for value[k] and
- * value[k + 1], and the same |u - v| comparison as the reference rule; for
- * codebooks with repeated entries, the code and value at 2 * k + (u > value[k])
- * of the quantiser's selection tables. */
+ * The momentum and requantisation passes are block_avx512_kernels.h's
+ * (threshold search in registers); without VBMI, codebook values come from
+ * the 256 floats held in sixteen registers (vpermi2ps and three blends per
+ * 16 values) rather than from a gather, which costs 25-40 cycles on the CPUs
+ * we measured. */
 #include "block_ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#include "block_avx512_common.h"
 
-TARGET static inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+#define TARGET GEFEN_AVX512_TARGET
+#define INLINE GEFEN_AVX512_INLINE
+
+/* ------------------------------------------- momentum and requantisation */
+
+/* A 256-entry float table (sixteen registers) at 16 indices 0..255: vpermi2ps
+ * picks among each 32 entries by bits 0-4, blends by bits 5, 6 and 7. */
+INLINE __m512 decode16(const float *table, __m512i idx) {
+  __m512 t[8];
+  for (int k = 0; k < 8; k++)
+    t[k] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * k), idx,
+                                  _mm512_loadu_ps(table + 32 * k + 16));
+  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+  for (int k = 0; k < 4; k++) t[k] = _mm512_mask_blend_ps(b5, t[2 * k], t[2 * k + 1]);
+  for (int k = 0; k < 2; k++) t[k] = _mm512_mask_blend_ps(b6, t[2 * k], t[2 * k + 1]);
+  return _mm512_mask_blend_ps(b7, t[0], t[1]);
 }
 
-/* 16 elements of a float32/bfloat16/float16 buffer as fp32 (masked-off lanes 0). */
-TARGET static inline __m512 load16(const void *p, gefen_dtype dt, int64_t i, __mmask16 k) {
-  switch (dt) {
-    case GEFEN_BF16: {
-      __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    case GEFEN_F16:
-      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i));
-    default:
-      return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __mmask64 km,
+                           __m512 out[4]) {
+  for (int v = 0; v < 4; v++) {
+    const __m128i c = _mm_maskz_loadu_epi8((__mmask16)(km >> (16 * v)), codes + 16 * v);
+    out[v] = decode16(s->value_of, _mm512_cvtepu8_epi32(c));
   }
 }
 
-/* fp32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as gefen_f32_to_bf16). */
-TARGET static inline __m512i to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(rounded, nan, quiet);
-}
-
-TARGET static inline void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
-  switch (dt) {
-    case GEFEN_BF16:
-      _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)p + i, k, to_bf16_bits(v));
-      break;
-    case GEFEN_F16: {
-      /* a NaN becomes sign | 0x7e00 as in gefen_f32_to_f16 (the conversion
-       * instruction would keep payload bits) */
-      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
-          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
-          _mm512_set1_epi32(0x7fc00000)));
-      v = _mm512_mask_mov_ps(v, nan, canon);
-      _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
-                               _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      break;
-    }
-    default:
-      _mm512_mask_storeu_ps((float *)p + i, k, v);
-      break;
+/* The codes are the search's bits reversed (two nibble look-ups); the values
+ * come straight from the bits through value_of_bits. */
+INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
+                               uint8_t *codes, __mmask64 km, __m512 out[4]) {
+  const __m512i rev4 = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15));
+  for (int v = 0; v < 4; v++) {
+    const __m512i lo = _mm512_and_si512(bits[v], _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_srli_epi32(bits[v], 4);
+    const __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_shuffle_epi8(rev4, lo), 4),
+                                         _mm512_shuffle_epi8(rev4, hi));
+    _mm512_mask_cvtepi32_storeu_epi8(codes + 16 * v, (__mmask16)(km >> (16 * v)), code);
+    out[v] = decode16(s->value_of_bits, bits[v]);
   }
 }
 
-/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
-TARGET static inline void add_lanes(__m512d *lo, __m512d *hi, __m512 x) {
-  *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
-  *hi = _mm512_add_pd(
-      *hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
-}
+#include "block_avx512_kernels.h"
 
-/* The canonical in-order sum of the 16 lanes (see block_ops.h). */
-TARGET static inline double sum_lanes(__m512d lo, __m512d hi) {
-  double lanes[GEFEN_SUM_LANES];
-  _mm512_storeu_pd(lanes, lo);
-  _mm512_storeu_pd(lanes + 8, hi);
-  return gefen_sum_lanes(lanes);
-}
+/* ------------------------------------------------------------ other passes */
 
-TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
-                                  float beta1, float one_minus_beta1, int64_t len, float *m,
-                                  double *sq) {
-  if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, cb, mag_old, beta1,
-                                                one_minus_beta1, len, m, sq);
-  const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
-               vomb1 = _mm512_set1_ps(one_minus_beta1);
-  __m512 vmx = _mm512_setzero_ps();
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
-    const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
-    const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
-    const __m512 v = _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb1, g));
-    _mm512_mask_storeu_ps(m + j, k, v);
-    vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx); /* NaN never wins */
-    add_lanes(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
-  }
-  *sq += sum_lanes(lo, hi);
-  return _mm512_reduce_max_ps(vmx);
-}
-
-TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                                  const uint8_t *codes, const float *cb, float mag_old,
-                                  float one_minus_beta, int64_t len, float *m) {
-  if (dt == GEFEN_F64)
-    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, cb, mag_old,
-                                                one_minus_beta, len, m);
-  const __m512 vmag = _mm512_set1_ps(mag_old), vomb = _mm512_set1_ps(one_minus_beta);
-  __m512 vmx = _mm512_setzero_ps();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
-    const __m512i ci = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + j));
-    const __m512 mo = _mm512_mul_ps(_mm512_i32gather_ps(ci, cb, 4), vmag);
-    const __m512 v = _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)));
-    _mm512_mask_storeu_ps(m + j, k, v);
-    vmx = _mm512_mask_max_ps(vmx, k, _mm512_abs_ps(v), vmx);
-  }
-  return _mm512_reduce_max_ps(vmx);
-}
-
-/* Byte table entries at 32-bit indices (the tables are followed by other
- * fields of gefen_quant_table, so reading 4 bytes at the last index is safe). */
-TARGET static inline __m512i gather_u8(__m512i idx, const uint8_t *table) {
-  return _mm512_and_si512(_mm512_i32gather_epi32(idx, table, 1), _mm512_set1_epi32(0xff));
-}
-
-TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                              uint8_t *codes) {
-  const gefen_quant_table *t = &q->table;
-  if (!(mx > 0.0f)) { /* u = 0 everywhere */
-    gefen_block_ops_scalar.requantize(q, m, mx, len, codes);
-    return;
-  }
-  const __m512 vmx = _mm512_set1_ps(mx), one = _mm512_set1_ps(1.0f),
-               scale = _mm512_set1_ps((float)(GEFEN_LUT_BUCKETS / 2)),
-               top = _mm512_set1_ps(t->codebook[GEFEN_CODEBOOK_SIZE - 1]);
-  const __m512i zero = _mm512_setzero_si512(),
-                last_bucket = _mm512_set1_epi32(GEFEN_LUT_BUCKETS - 1),
-                ione = _mm512_set1_epi32(1), code_nan = _mm512_set1_epi32(GEFEN_CODEBOOK_SIZE - 1);
-  /* de-interleave 2 x 8 (value[k], value[k+1]) pairs into 16 lows and 16 highs */
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const int unique = t->n_distinct == GEFEN_CODEBOOK_SIZE;
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 u = _mm512_div_ps(_mm512_maskz_loadu_ps(k, m + j), vmx);
-    const __mmask16 nan = _mm512_cmp_ps_mask(u, u, _CMP_UNORD_Q);
-    __m512i b = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_add_ps(u, one), scale));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, zero), last_bucket);
-    __m512i kk = gather_u8(b, t->bucket);
-    const __m512i p_lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(kk), q->pair, 8);
-    const __m512i p_hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(kk, 1), q->pair, 8);
-    const __m512 v0 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p_lo, even, p_hi));
-    const __m512 v1 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(p_lo, odd, p_hi));
-    const __m512 d0 = _mm512_abs_ps(_mm512_sub_ps(u, v0));
-    const __m512 d1 = _mm512_abs_ps(_mm512_sub_ps(u, v1));
-    const __mmask16 up = _mm512_cmp_ps_mask(d0, d1, _CMP_NLE_UQ); /* !(d0 <= d1) */
-    kk = _mm512_mask_add_epi32(kk, up, kk, ione);
-    __m512 val = _mm512_mask_blend_ps(up, v0, v1);
-    __m512i code = kk;
-    if (!unique) { /* repeated entries: first code at or below value[k], last above */
-      const __mmask16 above = _mm512_cmp_ps_mask(u, val, _CMP_GT_OQ);
-      const __m512i k2 = _mm512_add_epi32(kk, kk);
-      const __m512i sel = _mm512_mask_add_epi32(k2, above, k2, ione);
-      code = gather_u8(sel, q->sel_code);
-      /* codebook[code], which differs from value[k] in sign when a run of
-       * equal entries mixes -0 and +0 */
-      val = _mm512_i32gather_ps(sel, q->sel_value, 4);
-    }
-    code = _mm512_mask_mov_epi32(code, nan, code_nan);
-    val = _mm512_mask_mov_ps(val, nan, top);
-    _mm512_mask_storeu_ps(m + j, k, _mm512_mul_ps(val, vmx));
-    _mm512_mask_cvtepi32_storeu_epi8(codes + j, k, code);
-  }
-}
-
-TARGET static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                               double *colsum) {
-  if (dt == GEFEN_F64) return gefen_block_ops_scalar.row_stats(grad, dt, base, len, colsum);
-  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-  for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 g = load16(grad, dt, base + j, k);
+/* 16 columns at j of n rows (n <= ROWS_AT_ONCE, a constant): each row's
+ * x = g^2 into its lanes and, row after row, into colsum[j..j+16), which is
+ * loaded and stored once. */
+#define ROWS_AT_ONCE 4
+INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
+                   int64_t j, __mmask16 k, double *colsum, __m512d *lo, __m512d *hi) {
+  const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
+  __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
+  __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
+  for (int r = 0; r < n; r++) {
+    const int64_t at = base + r * len + j;
+    gefen_prefetch(grad, gefen_esz(dt), at + n * len, 16); /* the next rows */
+    const __m512 g = gefen_load16(grad, dt, at, k);
     const __m512 x = _mm512_mul_ps(g, g);
-    const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
     const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     const __m512d x_hi =
         _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    lo = _mm512_add_pd(lo, x_lo);
-    hi = _mm512_add_pd(hi, x_hi);
-    _mm512_mask_storeu_pd(colsum + j, k_lo,
-                          _mm512_add_pd(_mm512_maskz_loadu_pd(k_lo, colsum + j), x_lo));
-    _mm512_mask_storeu_pd(colsum + j + 8, k_hi,
-                          _mm512_add_pd(_mm512_maskz_loadu_pd(k_hi, colsum + j + 8), x_hi));
+    lo[r] = _mm512_add_pd(lo[r], x_lo); /* masked lanes add 0 */
+    hi[r] = _mm512_add_pd(hi[r], x_hi);
+    c_lo = _mm512_add_pd(c_lo, x_lo);
+    c_hi = _mm512_add_pd(c_hi, x_hi);
   }
-  return sum_lanes(lo, hi);
+  _mm512_mask_storeu_pd(colsum + j, k_lo, c_lo);
+  _mm512_mask_storeu_pd(colsum + j + 8, k_hi, c_hi);
 }
 
-TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
+INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
+                   double *colsum, double *sums) {
+  __m512d lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE];
+  for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_pd();
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) /* a constant mask: plain loads and stores */
+    rows16(grad, dt, base, len, n, j, (__mmask16)0xFFFF, colsum, lo, hi);
+  if (j < len) rows16(grad, dt, base, len, n, j, gefen_tail_mask16(len - j), colsum, lo, hi);
+  for (int r = 0; r < n; r++) sums[r] = gefen_sum_lanes16(lo[r], hi[r]);
+}
+
+TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                                   int64_t rows, double *colsum, double *sums) {
+  if (dt == GEFEN_F64) {
+    gefen_block_ops_scalar.row_stats(grad, dt, base, len, rows, colsum, sums);
+    return;
+  }
+  int64_t r = 0;
+  for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE)
+    rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, colsum, sums + r);
+  for (; r < rows; r++) rows_t(grad, dt, base + r * len, len, 1, colsum, sums + r);
+}
+
+TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
                                int64_t len, float s, float decay, float lr) {
   if (dt == GEFEN_F64) {
     gefen_block_ops_scalar.apply_block(param, dt, base, mq, len, s, decay, lr);
@@ -215,17 +122,18 @@ TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const 
   }
   const __m512 vs = _mm512_set1_ps(s), vdecay = _mm512_set1_ps(decay), vlr = _mm512_set1_ps(lr);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
-    const __m512 p = load16(param, dt, base + j, k);
+    const __mmask16 k = gefen_tail_mask16(len - j);
+    const __m512 p = gefen_load16(param, dt, base + j, k);
     const __m512 delta = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, mq + j), vs);
-    store16(param, dt, base + j,
+    gefen_store16(param, dt, base + j,
             _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
   }
 }
 
-TARGET static void apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,
-                                  int64_t len, float srow, const float *scol, float inv_bc1,
-                                  float eps, float decay, float lr) {
+TARGET void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base,
+                                        const float *mq, int64_t len, float srow,
+                                        const float *scol, float inv_bc1, float eps, float decay,
+                                        float lr) {
   if (dt == GEFEN_F64) {
     gefen_block_ops_scalar.apply_factored(param, dt, base, mq, len, srow, scol, inv_bc1, eps,
                                           decay, lr);
@@ -235,17 +143,17 @@ TARGET static void apply_factored(void *param, gefen_dtype dt, int64_t base, con
                veps = _mm512_set1_ps(eps), vdecay = _mm512_set1_ps(decay),
                vlr = _mm512_set1_ps(lr);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
+    const __mmask16 k = gefen_tail_mask16(len - j);
     const __m512 s = _mm512_div_ps(
         vinv, _mm512_add_ps(_mm512_mul_ps(vsrow, _mm512_maskz_loadu_ps(k, scol + j)), veps));
-    const __m512 p = load16(param, dt, base + j, k);
+    const __m512 p = gefen_load16(param, dt, base + j, k);
     const __m512 delta = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, mq + j), s);
-    store16(param, dt, base + j,
-            _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
+    gefen_store16(param, dt, base + j,
+                  _mm512_sub_ps(_mm512_mul_ps(p, vdecay), _mm512_mul_ps(vlr, delta)), k);
   }
 }
 
-TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
+TARGET void gefen_avx512_muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
                                int64_t base, const float *mq, int64_t len, float beta,
                                float one_minus_beta, int nesterov) {
   if (dt == GEFEN_F64) {
@@ -255,18 +163,19 @@ TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, 
   }
   const __m512 vbeta = _mm512_set1_ps(beta), vomb = _mm512_set1_ps(one_minus_beta);
   for (int64_t j = 0; j < len; j += 16) {
-    const __mmask16 k = tail_mask(len - j);
+    const __mmask16 k = gefen_tail_mask16(len - j);
     __m512 o = _mm512_maskz_loadu_ps(k, mq + j);
     if (nesterov)
       o = _mm512_add_ps(_mm512_mul_ps(vbeta, o),
-                        _mm512_mul_ps(vomb, load16(grad, dt, base + j, k)));
-    store16(out, out_dt, base + j, o, k);
+                        _mm512_mul_ps(vomb, gefen_load16(grad, dt, base + j, k)));
+    gefen_store16(out, out_dt, base + j, o, k);
   }
 }
 
 static const gefen_block_ops ops_avx512 = {
-    adam_momentum, muon_momentum, requantize, row_stats,
-    apply_block,   apply_factored, muon_output,
+    adam_momentum,          muon_momentum,           requantize,
+    requantize_apply,       gefen_avx512_row_stats,  gefen_avx512_apply_block,
+    gefen_avx512_apply_factored, gefen_avx512_muon_output,
 };
 
 static int cpu_has_avx512(void) {

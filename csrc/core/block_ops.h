@@ -75,25 +75,56 @@ static inline uint16_t gefen_f32_to_f16_sel(float f) {
   return (uint16_t)(sign | r);
 }
 
+/* Where the requantisation pass sends each dequantised value mq = C[code] * mx
+ * of a block, so that one pass over the block both requantises and uses it. */
+typedef enum {
+  GEFEN_SINK_M,             /* back into m (requantize) */
+  GEFEN_SINK_ADAM_BLOCK,    /* p = p * decay - lr * (mq * s) */
+  GEFEN_SINK_ADAM_FACTORED, /* the same with s_j = inv_bc1 / (s * scol[j] + eps) */
+  GEFEN_SINK_MUON           /* out = beta * mq + (1 - beta) * g (nesterov) or mq */
+} gefen_sink_kind;
+
 typedef struct {
-  /* Gefen: m = beta1 * (C[code] * mag_old) + (1 - beta1) * g; adds sum g^2
-   * to *sq; returns max|m| (NaN never wins; 0 for an all-NaN block). */
+  gefen_sink_kind kind;
+  void *out;             /* Adam: the parameter; Muon: the Newton-Schulz input */
+  gefen_dtype out_dtype;
+  const void *grad;      /* Muon: the gradient (read with nesterov) */
+  gefen_dtype dtype;     /* Muon: the gradient's dtype */
+  int64_t base;          /* index of the block's first element in out and grad */
+  float s;               /* block: the step size; factored: the row factor */
+  const float *scol;     /* factored: the column factors of the block's elements */
+  float inv_bc1, eps, decay, lr;
+  float beta, one_minus_beta;
+  int nesterov;
+} gefen_sink;
+
+typedef struct {
+  /* Gefen (C: the codebook of q): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g; adds sum g^2
+   * to *sq unless sq is NULL; returns max|m| (NaN never wins; 0 for an
+   * all-NaN block). */
   float (*adam_momentum)(const void *grad, gefen_dtype dt, int64_t base,
-                         const uint8_t *codes, const float *codebook, float mag_old,
+                         const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                          float beta1, float one_minus_beta1, int64_t len, float *m,
                          double *sq);
   /* GefenMuon: mo = C[code] * mag_old; m = mo + (1 - beta) * (g - mo). */
   float (*muon_momentum)(const void *grad, gefen_dtype dt, int64_t base,
-                         const uint8_t *codes, const float *codebook, float mag_old,
+                         const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                          float one_minus_beta, int64_t len, float *m);
   /* Nearest-code requantisation of m with magnitude mx (u = m / mx, or 0 when
    * mx == 0): writes codes and overwrites m with C[code] * mx. */
   void (*requantize)(const gefen_quantizer *q, float *m, float mx, int64_t len,
                      uint8_t *codes);
-  /* Factored statistics of one row: adds g_j^2 to colsum[j] (float64) and
-   * returns the row's sum of g^2. */
-  double (*row_stats)(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                      double *colsum);
+  /* The same, sending each C[code] * mx to the sink instead (m may be
+   * overwritten). */
+  void (*requantize_apply)(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                           uint8_t *codes, const gefen_sink *sink);
+  /* Factored statistics of `rows` consecutive rows of len elements from
+   * base: adds each row's g_j^2 to colsum[j] (float64), row after row, and
+   * writes each row's sum of g^2 to sums[r]. (Several rows at once, so that
+   * colsum is read and written once per few rows; the order of the
+   * additions is the same.) */
+  void (*row_stats)(const void *grad, gefen_dtype dt, int64_t base, int64_t len, int64_t rows,
+                    double *colsum, double *sums);
   /* p = p * decay - lr * (mq * s) with one step size s for the block. */
   void (*apply_block)(void *param, gefen_dtype dt, int64_t base, const float *mq,
                       int64_t len, float s, float decay, float lr);
@@ -111,14 +142,28 @@ typedef struct {
 extern const gefen_block_ops gefen_block_ops_scalar;
 
 /* The fastest primitives for this CPU and quantiser (NULL: any quantiser):
- * AVX-512, then AVX2, then portable; the SIMD versions need an exact table. */
+ * AVX-512 with VBMI, AVX-512, AVX2, then portable; the AVX2 version needs an
+ * exact lookup table, the AVX-512 versions do not. */
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q);
+
+/* The AVX-512 + VBMI primitives, or NULL when this CPU (or build) has none. */
+const gefen_block_ops *gefen_block_ops_avx512vbmi(void);
 
 /* The AVX-512 primitives, or NULL when this CPU (or build) has none. */
 const gefen_block_ops *gefen_block_ops_avx512(void);
 
 /* The AVX2 (+F16C) primitives, or NULL when this CPU (or build) has none. */
 const gefen_block_ops *gefen_block_ops_avx2(void);
+
+/* Sends the dequantised values mq[0..len) of a block to the sink through the
+ * primitives of ops (GEFEN_SINK_M: nothing to do). */
+void gefen_sink_apply(const gefen_block_ops *ops, const float *mq, int64_t len,
+                      const gefen_sink *sink);
+
+/* requantize_apply as ops->requantize followed by gefen_sink_apply. */
+void gefen_requantize_apply_with(const gefen_block_ops *ops, const gefen_quantizer *q,
+                                 float *m, float mx, int64_t len, uint8_t *codes,
+                                 const gefen_sink *sink);
 
 /* Stochastic requantisation (ALGORITHM.md §6): like requantize, with the
  * element's global flat index global_base + j. Portable only. */

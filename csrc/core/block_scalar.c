@@ -78,13 +78,15 @@ static GEFEN_ALWAYS_INLINE float adam_momentum_t(const void *grad, const gefen_d
   for (int l = 0; j < len; j++, l++)
     adam_one(grad, dt, base, cb[codes[j]], mag_old, beta1, one_minus_beta1, m, j, &mxl[l],
              &lanes[l]);
-  *sq += gefen_sum_lanes(lanes);
+  if (sq) *sq += gefen_sum_lanes(lanes);
   return max_lanes(mxl);
 }
 
 static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                           const uint8_t *codes, const float *cb, float mag_old, float beta1,
-                           float one_minus_beta1, int64_t len, float *m, double *sq) {
+                           const uint8_t *codes, const gefen_quantizer *q, float mag_old,
+                           float beta1, float one_minus_beta1, int64_t len, float *m,
+                           double *sq) {
+  const float *cb = q->table.codebook;
 #define CALL(DT) \
   return adam_momentum_t(grad, DT, base, codes, cb, mag_old, beta1, one_minus_beta1, len, m, sq)
   DTYPE_SWITCH(dt, CALL)
@@ -121,8 +123,9 @@ static GEFEN_ALWAYS_INLINE float muon_momentum_t(const void *grad, const gefen_d
 }
 
 static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
-                           const uint8_t *codes, const float *cb, float mag_old,
+                           const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                            float one_minus_beta, int64_t len, float *m) {
+  const float *cb = q->table.codebook;
 #define CALL(DT) return muon_momentum_t(grad, DT, base, codes, cb, mag_old, one_minus_beta, len, m)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
@@ -341,24 +344,73 @@ static GEFEN_ALWAYS_INLINE double row_stats_t(const void *grad, const gefen_dtyp
   return gefen_sum_lanes(lanes);
 }
 
-static double row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
-                        double *colsum) {
+static double row_stats_one(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                            double *colsum) {
 #define CALL(DT) return row_stats_t(grad, DT, base, len, colsum)
   DTYPE_SWITCH(dt, CALL)
 #undef CALL
 }
 
+static void row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len, int64_t rows,
+                      double *colsum, double *sums) {
+  for (int64_t r = 0; r < rows; r++) sums[r] = row_stats_one(grad, dt, base + r * len, len, colsum);
+}
+
+/* ------------------------------------------------------------------ sinks */
+
+void gefen_sink_apply(const gefen_block_ops *ops, const float *mq, int64_t len,
+                      const gefen_sink *sk) {
+  switch (sk->kind) {
+    case GEFEN_SINK_M:
+      break;
+    case GEFEN_SINK_ADAM_BLOCK:
+      ops->apply_block(sk->out, sk->out_dtype, sk->base, mq, len, sk->s, sk->decay, sk->lr);
+      break;
+    case GEFEN_SINK_ADAM_FACTORED:
+      ops->apply_factored(sk->out, sk->out_dtype, sk->base, mq, len, sk->s, sk->scol,
+                          sk->inv_bc1, sk->eps, sk->decay, sk->lr);
+      break;
+    case GEFEN_SINK_MUON:
+      ops->muon_output(sk->out, sk->out_dtype, sk->grad, sk->dtype, sk->base, mq, len, sk->beta,
+                       sk->one_minus_beta, sk->nesterov);
+      break;
+  }
+}
+
+void gefen_requantize_apply_with(const gefen_block_ops *ops, const gefen_quantizer *q,
+                                 float *m, float mx, int64_t len, uint8_t *codes,
+                                 const gefen_sink *sink) {
+  ops->requantize(q, m, mx, len, codes);
+  gefen_sink_apply(ops, m, len, sink);
+}
+
+static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                             uint8_t *codes, const gefen_sink *sink) {
+  gefen_requantize_apply_with(&gefen_block_ops_scalar, q, m, mx, len, codes, sink);
+}
+
 const gefen_block_ops gefen_block_ops_scalar = {
-    adam_momentum, muon_momentum, requantize, row_stats,
-    apply_block,   apply_factored, muon_output,
+    adam_momentum, muon_momentum,  requantize,  requantize_apply,
+    row_stats,     apply_block,    apply_factored, muon_output,
 };
 
 /* ------------------------------------------------------------- dispatch */
 
+const char *gefen_core_simd_path(void) {
+  const gefen_block_ops *ops = gefen_block_ops_for(NULL);
+  if (ops == gefen_block_ops_avx512vbmi()) return "avx512vbmi";
+  if (ops == gefen_block_ops_avx512()) return "avx512";
+  if (ops == gefen_block_ops_avx2()) return "avx2";
+  return "portable";
+}
+
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
-  /* the SIMD requantisation needs the exact lookup table */
+  /* the threshold search of the AVX-512 versions is exact for every codebook */
+  const gefen_block_ops *ops = gefen_block_ops_avx512vbmi();
+  if (!ops) ops = gefen_block_ops_avx512();
+  if (ops) return ops;
+  /* the AVX2 requantisation needs the exact lookup table */
   if (q && !q->table.exact_lut) return &gefen_block_ops_scalar;
-  const gefen_block_ops *ops = gefen_block_ops_avx512();
-  if (!ops) ops = gefen_block_ops_avx2();
+  ops = gefen_block_ops_avx2();
   return ops ? ops : &gefen_block_ops_scalar;
 }

@@ -49,6 +49,8 @@ int gefen_threads(int nthreads) {
 #endif
 }
 
+int gefen_core_default_threads(void) { return gefen_threads(0); }
+
 size_t gefen_dtype_size(gefen_dtype dtype) {
   switch (dtype) {
     case GEFEN_F32: return 4;

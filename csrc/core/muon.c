@@ -37,12 +37,19 @@ static void muon_block(const gefen_muon_item *it, const gefen_quantizer *q,
                        const gefen_block_ops *ops, int64_t b, float *m) {
   const int64_t P = it->period, base = b * P;
   const float omb = (float)(1.0 - it->beta);
-  const float mx = ops->muon_momentum(it->grad, it->dtype, base, it->codes + base, q->table.codebook,
+  const float mx = ops->muon_momentum(it->grad, it->dtype, base, it->codes + base, q,
                                       it->magnitude[b], omb, P, m);
   it->magnitude[b] = mx;
-  ops->requantize(q, m, mx, P, it->codes + base);
-  ops->muon_output(it->out, it->out_dtype, it->grad, it->dtype, base, m, P, (float)it->beta, omb,
-                   it->nesterov);
+  const gefen_sink sink = {.kind = GEFEN_SINK_MUON,
+                           .out = it->out,
+                           .out_dtype = it->out_dtype,
+                           .grad = it->grad,
+                           .dtype = it->dtype,
+                           .base = base,
+                           .beta = (float)it->beta,
+                           .one_minus_beta = omb,
+                           .nesterov = it->nesterov};
+  ops->requantize_apply(q, m, mx, P, it->codes + base, &sink);
 }
 
 static void muon_units(const void *items, int64_t i, int64_t *units,

@@ -72,6 +72,85 @@ static void build_table(gefen_quant_table *t, const float *c) {
   }
 }
 
+/* Floats as unsigned keys in the same order (-0 just below +0), and back. */
+static uint32_t float_key(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+static float key_float(uint32_t k) {
+  const uint32_t b = (k & 0x80000000u) ? k & 0x7fffffffu : ~k;
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+static int bit_reverse8(int x) {
+  int r = 0;
+  for (int i = 0; i < 8; i++) r |= ((x >> i) & 1) << (7 - i);
+  return r;
+}
+
+/* The thresholds of gefen_quant_search by bisection over the floats of
+ * [-1, 1] (the code is non-decreasing in u and the code of -1 is 0), then
+ * the binary search's levels and the codebook's byte planes. */
+static void build_search(gefen_quant_search *s, const float *c) {
+  s->threshold[0] = -INFINITY;
+  for (int code = 1; code < GEFEN_CODEBOOK_SIZE; code++) {
+    if (gefen_quantize_reference(c, 1.0f) < code) {
+      s->threshold[code] = 1.0f;
+      continue;
+    }
+    uint32_t lo = float_key(-1.0f), hi = float_key(1.0f); /* code(lo) < code <= code(hi) */
+    while (hi - lo > 1) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (gefen_quantize_reference(c, key_float(mid)) < code)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    s->threshold[code] = key_float(lo) == 0.0f ? 0.0f : key_float(lo); /* never -0 */
+  }
+  for (int level = 1; level <= 8; level++) {
+    const int step = GEFEN_CODEBOOK_SIZE >> level, n = 1 << (level - 1);
+    for (int prefix = 0; prefix < n; prefix++) {
+      /* prefix: the bits found by the levels above, highest first; j: reversed */
+      const int j = bit_reverse8(prefix) >> (9 - level);
+      const float t = s->threshold[prefix * 2 * step + step];
+      gefen_search_levels *lv = &s->levels;
+      if (level == 1)
+        lv->level1[j] = t;
+      else if (level <= 5)
+        lv->level2_5[level - 2][j] = t;
+      else if (level == 6)
+        lv->level6[j] = t;
+      else if (level == 7)
+        lv->level7[j] = t;
+      else
+        lv->level8[j] = t;
+    }
+  }
+  /* the midpoints above the thresholds, for the search without division */
+  const float *entry = (const float *)&s->levels;
+  memset(s->tie_up, 0, sizeof s->tie_up);
+  for (int i = 0; i < GEFEN_SEARCH_ENTRIES; i++) {
+    const float t = entry[i], up = nextafterf(t, INFINITY);
+    s->bound[i] = 0.5 * ((double)t + (double)up); /* exact: 25 significant bits */
+    uint32_t up_bits;
+    memcpy(&up_bits, &up, sizeof up_bits);
+    if ((up_bits & 1u) == 0) s->tie_up[i / 16] |= (uint16_t)(1u << (i % 16));
+  }
+  for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
+    s->code_of[j] = (uint8_t)bit_reverse8(j);
+    uint32_t bits;
+    memcpy(&bits, &c[j], sizeof bits);
+    for (int b = 0; b < 4; b++) s->plane[b][j] = (uint8_t)(bits >> (8 * b));
+    s->value_of[j] = c[j];
+    s->value_of_bits[j] = c[s->code_of[j]];
+  }
+}
+
 gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out,
                                     gefen_error *err) {
   gefen_clear(err);
@@ -83,6 +162,7 @@ gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out
   gefen_quantizer *q = calloc(1, sizeof *q);
   if (!q) return gefen_fail(err, GEFEN_ENOMEM, "quantizer: out of memory");
   build_table(&q->table, codebook);
+  build_search(&q->search, codebook);
   for (int k = 0; k < GEFEN_CODEBOOK_SIZE; k++) {
     uint32_t lo, hi;
     memcpy(&lo, &q->table.value[k], sizeof lo);

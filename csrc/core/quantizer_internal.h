@@ -4,8 +4,60 @@
 
 #include "core_internal.h"
 
+/* The thresholds of the binary search below, in the order its levels read
+ * them: level L (1..8) compares u with the threshold at (bits found so far, 1,
+ * 0, ...) and records its bit as bit L - 1 of an index j, so j holds the found
+ * bits in reverse order and each level's table is indexed by j directly.
+ * level1 is one value (padded to 16), level2_5[L - 2] holds 2^(L-1) values,
+ * level6/7/8 hold 32, 64 and 128 (two, four and eight 16-float registers). */
+typedef struct {
+  float level1[16];
+  float level2_5[4][16];
+  float level6[32];
+  float level7[64];
+  float level8[128];
+} gefen_search_levels;
+
+#define GEFEN_SEARCH_ENTRIES ((int)(sizeof(gefen_search_levels) / sizeof(float)))
+
+/* The nearest-code rule as a count of thresholds, for searches without table
+ * look-ups in memory (quantizer.c builds it, block_avx512vbmi.c uses it).
+ *
+ * The code of the reference rule is a non-decreasing function of u, so it is
+ * the number of c in 1..255 with u > threshold[c], where threshold[c] is the
+ * largest float in [-1, 1] whose code is below c (found by bisection over the
+ * floats with the reference rule itself, so the count equals the rule for
+ * every u in [-1, 1]; never -0; 1 when no u in [-1, 1] reaches code c). A
+ * jump of several codes at one point (repeated entries) gives equal
+ * thresholds. NaN compares unordered: with "not u <= t" every comparison is
+ * true and the count is 255, the code of NaN.
+ *
+ * Without the division: for a finite magnitude mx > 0 and any float m,
+ * RN(m / mx) > t exactly when m / mx > b, where b is the midpoint of t and the
+ * next float above it (or m / mx >= b when a tie at b rounds up, which needs
+ * a subnormal t). b * mx is exact in float64 (25 by 24 significant bits), so
+ * u > t exactly when m > RD(b * mx), rounded down to a float (or, for a tie
+ * that rounds up, m > the float below RU(b * mx)). bound[] holds b for every
+ * entry of levels and tie_up[g] the entries of group g (16 entries) whose tie
+ * rounds up: scaled by mx once per block, the levels search m itself. */
+typedef struct {
+  float threshold[GEFEN_CODEBOOK_SIZE]; /* [0] unused (-inf) */
+  gefen_search_levels levels;
+  double bound[GEFEN_SEARCH_ENTRIES];
+  uint16_t tie_up[GEFEN_SEARCH_ENTRIES / 16];
+  uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
+  /* codebook[code] by code, and by the search's reversed bits j (value of
+   * code_of[j]): sixteen 16-float registers each, for decoding without VBMI */
+  float value_of[GEFEN_CODEBOOK_SIZE];
+  float value_of_bits[GEFEN_CODEBOOK_SIZE];
+  /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
+   * 256-byte tables, for decoding 64 codes with byte permutes */
+  uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+} gefen_quant_search;
+
 struct gefen_quantizer {
   gefen_quant_table table;
+  gefen_quant_search search;
   /* pair[k] = value[k] | value[k + 1] << 32 (as bits): both candidates of a
    * bucket in one 64-bit gather for the SIMD search */
   uint64_t pair[GEFEN_CODEBOOK_SIZE];
@@ -50,6 +102,15 @@ static inline int gefen_quant_select(const gefen_quantizer *q, float u) {
   k += !(fabsf(u - t->value[k]) <= fabsf(u - t->value[k + 1]));
   /* u is not NaN here, so (u > value[k]) is !(u <= value[k]): last[k] */
   return 2 * k + (u > t->value[k]);
+}
+
+/* The code of u (any float) as the count of thresholds below it: equal to
+ * gefen_quantize_reference for u in [-1, 1] and NaN (tests/c checks). */
+static inline uint8_t gefen_quant_count(const gefen_quant_search *s, float u) {
+  int c = 0;
+  for (int step = GEFEN_CODEBOOK_SIZE / 2; step > 0; step /= 2)
+    c += !(u <= s->threshold[c + step]) ? step : 0;
+  return (uint8_t)c;
 }
 
 #endif /* GEFEN_QUANTIZER_INTERNAL_H */

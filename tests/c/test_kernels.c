@@ -16,26 +16,9 @@
 #include "block_ops.h"
 #include "gefen_core.h"
 
-static int failures = 0;
-#define CHECK(cond, ...)                                     \
-  do {                                                       \
-    if (!(cond)) {                                           \
-      failures++;                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
-      fprintf(stderr, __VA_ARGS__);                          \
-      fprintf(stderr, "\n");                                 \
-      if (failures > 20) exit(1);                            \
-    }                                                        \
-  } while (0)
+#include "check.h"
 
-/* xorshift64*: deterministic test data. */
-static uint64_t rng_state = 0x243F6A8885A308D3ull;
-static uint64_t rng(void) {
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return rng_state * 0x2545F4914F6CDD1Dull;
-}
+static uint64_t rng(void) { return test_rng(); }
 static float uniform(float lo, float hi) {
   return lo + (hi - lo) * (float)((rng() >> 40) * (1.0 / 16777216.0));
 }
@@ -47,6 +30,10 @@ static float normal(void) {
 /* The SIMD versions of the block primitives this CPU has, with their names. */
 static int simd_tables(const gefen_block_ops **ops, const char **names) {
   int n = 0;
+  if (gefen_block_ops_avx512vbmi()) {
+    ops[n] = gefen_block_ops_avx512vbmi();
+    names[n++] = "avx512vbmi";
+  }
   if (gefen_block_ops_avx512()) {
     ops[n] = gefen_block_ops_avx512();
     names[n++] = "avx512";
@@ -81,6 +68,16 @@ static void learned_codebook(float *c, int active_bins) {
   gefen_error err;
   gefen_status st = gefen_codebook_solve(hist, c, &err);
   CHECK(st == GEFEN_OK, "solve: %s", err.msg);
+}
+
+/* A uniform codebook with entries a few 2^-149 apart around 0: subnormal
+ * thresholds, some of whose midpoint ties round up (the special case of the
+ * search without division, quantizer_internal.h). */
+static void subnormal_codebook(float *c) {
+  for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+  for (int i = 112; i < 144; i++) c[i] = (float)(i - 128) * 0x1p-149f * (float)(1 + i % 3);
+  for (int i = 113; i < 144; i++)
+    if (!(c[i] > c[i - 1])) c[i] = nextafterf(c[i - 1], 1.0f);
 }
 
 static void probe_values(const float *c, float *out, int *n, int cap) {
@@ -145,11 +142,32 @@ static void test_quantizer_on(const float *c, int expect_exact) {
           "portable requantize of %.9g: code %d, quantiser %d", ui, c1[i], want);
   }
 
-  /* every SIMD requantisation gives the same codes and values as the portable */
-  const gefen_block_ops *simd[2];
-  const char *names[2];
-  const int ns = expect_exact ? simd_tables(simd, names) : 0;
+  /* the thresholds count the reference rule's code: at every probe, at every
+   * threshold and the float above it */
+  const gefen_quant_search *search = &q->search;
+  for (int i = 0; i < n; i++) {
+    const uint8_t want = brute_nearest(c, u[i]);
+    CHECK(gefen_quant_count(search, u[i]) == want, "count(%.9g) = %d, rule says %d", u[i],
+          gefen_quant_count(search, u[i]), want);
+  }
+  for (int k = 1; k < 256; k++) {
+    const float t = search->threshold[k], above = nextafterf(t, 2.0f);
+    CHECK(!signbit(t) || t != 0.0f, "threshold %d is -0", k);
+    CHECK(gefen_quant_count(search, t) == brute_nearest(c, t), "count at threshold %d", k);
+    if (t < 1.0f)
+      CHECK(gefen_quant_count(search, above) == brute_nearest(c, above) &&
+                brute_nearest(c, above) >= k,
+            "count above threshold %d", k);
+  }
+  CHECK(gefen_quant_count(search, NAN) == 255, "NaN counts 255");
+
+  /* every SIMD requantisation gives the same codes and values as the portable
+   * (the lookup-table ones only with an exact table) */
+  const gefen_block_ops *simd[3];
+  const char *names[3];
+  const int ns = simd_tables(simd, names);
   for (int s = 0; s < ns; s++) {
+    if (!expect_exact && simd[s] == gefen_block_ops_avx2()) continue; /* needs the table */
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
     m1[n / 2] = m2[n / 2] = NAN;
     for (int len = 1; len <= 40; len++) {
@@ -204,7 +222,8 @@ static void test_quantizer(void) {
 
 static void fill_grad(void *g, gefen_dtype dt, int64_t n, float scale) {
   for (int64_t i = 0; i < n; i++) {
-    float v = normal() * scale;
+    /* magnitudes over 2^-12..2^12, so that the order of a sum shows in its bits */
+    float v = normal() * scale * ldexpf(1.0f, (int)(rng() % 25) - 12);
     switch (dt) {
       case GEFEN_F32: ((float *)g)[i] = v; break;
       case GEFEN_BF16: {
@@ -245,16 +264,15 @@ static void put_specials(void *p, gefen_dtype dt, int64_t len) {
 /* One SIMD version against the portable one. A pass with special values puts
  * them in the parameters and one NaN in the gradient (one NaN per sum, so the
  * NaN that comes out does not depend on the order of operands). */
-static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
-  float c[256];
-  learned_codebook(c, 3500);
+static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
+                                const float *c) {
   gefen_quantizer *q = NULL;
   gefen_error err;
   CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create");
   const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
   const int64_t lens[] = {1, 5, 16, 17, 27, 64, 100, 768, 2048, 3072};
   enum { MAXL = 3072 };
-  static float m1[MAXL], m2[MAXL], scol[MAXL];
+  static float m1[MAXL], m2[MAXL], m3[MAXL], scol[MAXL];
   static uint8_t codes[MAXL], c1[MAXL], c2[MAXL];
   static uint16_t g16[MAXL], p16a[MAXL], p16b[MAXL], o16a[MAXL], o16b[MAXL];
   static float g32[MAXL], p32a[MAXL], p32b[MAXL], o32a[MAXL], o32b[MAXL];
@@ -284,15 +302,18 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
         scol[j] = uniform(0.001f, 0.1f);
       }
       double sq1 = 0, sq2 = 0;
-      float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f,
+      float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f,
                                                        len, m1, &sq1);
-      float mx2 = simd->adam_momentum(g, dt, 0, codes, c, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
+      float mx2 = simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
       CHECK(mx1 == mx2, "%s: adam_momentum max differs (dt %d len %lld)", name, dt,
             (long long)len);
       CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "%s: adam_momentum m differs (dt %d len %lld)",
             name, dt, (long long)len);
       CHECK(memcmp(&sq1, &sq2, sizeof sq1) == 0, "%s: sum of squares %.17g vs %.17g", name, sq1,
             sq2);
+      /* without the sum of squares (the factored form): the same m */
+      simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m3, NULL);
+      CHECK(memcmp(m1, m3, 4 * (size_t)len) == 0, "%s: adam_momentum without sq", name);
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
       CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: codes differ (dt %d len %lld)", name, dt,
@@ -307,14 +328,23 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
       simd->apply_factored(pb, dt, 0, m2, len, 0.3f, scol, 1.1f, 1e-8f, 0.99f, 1e-3f);
       CHECK(memcmp(pa, pb, esz * (size_t)len) == 0,
             "%s: apply_factored differs (dt %d len %lld)", name, dt, (long long)len);
-      for (int64_t j = 0; j < len; j++) cs1[j] = cs2[j] = 0.5;
-      double r1 = gefen_block_ops_scalar.row_stats(g, dt, 0, len, cs1);
-      double r2 = simd->row_stats(g, dt, 0, len, cs2);
-      CHECK(memcmp(&r1, &r2, sizeof r1) == 0, "%s: row sums %.17g vs %.17g", name, r1, r2);
-      CHECK(memcmp(cs1, cs2, 8 * (size_t)len) == 0, "%s: column sums differ", name);
+      /* 1..7 rows of len / rows elements (so several rows at once, and the
+       * rest one by one) */
+      for (int64_t rows = 1; rows <= 7 && rows <= len; rows++) {
+        const int64_t cols = len / rows;
+        double r1[7], r2[7];
+        for (int64_t j = 0; j < cols; j++) cs1[j] = cs2[j] = 0.5;
+        gefen_block_ops_scalar.row_stats(g, dt, 0, cols, rows, cs1, r1);
+        simd->row_stats(g, dt, 0, cols, rows, cs2, r2);
+        CHECK(memcmp(r1, r2, sizeof(double) * (size_t)rows) == 0,
+              "%s: row sums %.17g vs %.17g (%lld rows of %lld)", name, r1[0], r2[0],
+              (long long)rows, (long long)cols);
+        CHECK(memcmp(cs1, cs2, 8 * (size_t)cols) == 0, "%s: column sums differ (%lld rows)", name,
+              (long long)rows);
+      }
       /* GefenMuon momentum and its Newton-Schulz input */
-      mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m1);
-      mx2 = simd->muon_momentum(g, dt, 0, codes, c, 0.02f, 0.05f, len, m2);
+      mx1 = gefen_block_ops_scalar.muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m1);
+      mx2 = simd->muon_momentum(g, dt, 0, codes, q, 0.02f, 0.05f, len, m2);
       CHECK(mx1 == mx2 && memcmp(m1, m2, 4 * (size_t)len) == 0,
             "%s: muon_momentum differs (dt %d len %lld)", name, dt, (long long)len);
       for (int nesterov = 0; nesterov < 2; nesterov++) {
@@ -333,13 +363,225 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name) {
 }
 
 static void test_simd_blocks(void) {
-  const gefen_block_ops *simd[2];
-  const char *names[2];
+  const gefen_block_ops *simd[3];
+  const char *names[3];
   const int n = simd_tables(simd, names);
   if (n == 0) printf("  (no SIMD primitives on this CPU: comparison skipped)\n");
+  float c[256];
+  learned_codebook(c, 3500);
   for (int s = 0; s < n; s++) {
     printf("  %s\n", names[s]);
-    test_simd_blocks_on(simd[s], names[s]);
+    test_simd_blocks_on(simd[s], names[s], c);
+  }
+}
+
+/* requantize_apply of one SIMD version against the portable one, for every
+ * sink, dtype and length 1..130 (and some long ones), with special values in
+ * m (NaN payloads, infinities, subnormals, +-0, +-mx), all-zero and all-NaN
+ * blocks (mx = 0), and for each codebook of test_requantize_apply. */
+static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
+                                const gefen_quantizer *q) {
+  enum { MAXL = 3072 };
+  static float m0[MAXL], m1[MAXL], m2[MAXL], scol[MAXL], g32[MAXL];
+  static uint8_t c1[MAXL], c2[MAXL];
+  static uint16_t g16[MAXL];
+  static uint8_t out1[4 * MAXL], out2[4 * MAXL];
+  static const uint32_t specials[] = {0x7fc00000u, 0xffa00001u, 0x7f800001u, 0x7f800000u,
+                                      0xff800000u, 0x80000000u, 0x00000000u, 0x00000001u,
+                                      0x807fffffu, 0x00800000u};
+  const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
+  const gefen_sink_kind kinds[4] = {GEFEN_SINK_M, GEFEN_SINK_ADAM_BLOCK,
+                                    GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
+  const float *bound_src = (const float *)&q->search.levels;
+  for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
+    for (int variant = 0; variant < 5; variant++) {
+      /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
+       * boundaries t * mx and b * mx (b the midpoint above t) and their
+       * neighbours, with mx a power of two so that b * mx can be exact */
+      float mx = 0.0f;
+      for (int64_t j = 0; j < len; j++) {
+        m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : normal() * 0.01f;
+        scol[j] = uniform(0.001f, 0.1f);
+        g32[j] = normal();
+        memcpy(&g16[j], (const char *)&g32[j] + 2, 2);
+      }
+      if (variant == 1)
+        for (int s = 0; s < 10 && s < len; s++) {
+          const int64_t i = (int64_t)(rng() % (uint64_t)len);
+          memcpy(&m0[i], &specials[s], 4);
+        }
+      if (variant == 4) {
+        const float scale = ldexpf(1.0f, (int)(rng() % 41) - 20);
+        for (int64_t j = 0; j < len; j++) {
+          const int e = (int)(rng() % GEFEN_SEARCH_ENTRIES);
+          const double b = q->search.bound[e];
+          const float at[4] = {bound_src[e] * scale, (float)(b * scale),
+                               nextafterf((float)(b * scale), 2.0f),
+                               nextafterf((float)(b * scale), -2.0f)};
+          m0[j] = at[rng() % 4];
+        }
+        m0[0] = scale; /* max |m| is the scale itself */
+      }
+      for (int64_t j = 0; j < len; j++) {
+        const float a = fabsf(m0[j]);
+        mx = a > mx ? a : mx;
+      }
+      if (variant == 0 && len > 2) { /* u exactly -1, 0 and a threshold */
+        m0[0] = -mx;
+        m0[1] = 0.0f;
+        m0[2] = q->search.threshold[1 + rng() % 255] * mx;
+      }
+      for (int ki = 0; ki < 4; ki++)
+        for (int d = 0; d < 3; d++)
+          for (int variant2 = 0; variant2 < (kinds[ki] == GEFEN_SINK_MUON ? 4 : 1); variant2++) {
+            const gefen_dtype dt = dts[d];
+            const size_t esz = dt == GEFEN_F32 ? 4 : 2;
+            gefen_sink sk = {.kind = kinds[ki], .out_dtype = dt, .dtype = dt,
+                             .grad = dt == GEFEN_F32 ? (const void *)g32 : (const void *)g16,
+                             .base = 0, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f, .eps = 1e-8f,
+                             .decay = 0.999f, .lr = 1e-3f, .beta = 0.95f, .one_minus_beta = 0.05f,
+                             .nesterov = variant2 & 1};
+            if (kinds[ki] == GEFEN_SINK_MUON) {
+              sk.out_dtype = (variant2 & 2) ? GEFEN_BF16 : GEFEN_F32;
+              if (dt == GEFEN_F16) sk.grad = g16; /* any bits will do */
+            }
+            const size_t osz = (sk.out_dtype == GEFEN_F32 ? 4 : 2) * (size_t)len;
+            for (int64_t j = 0; j < len; j++) /* parameters: the gradient's bits */
+              memcpy(out1 + esz * (size_t)j, (const char *)&g32[j] + (esz == 2 ? 2 : 0), esz);
+            memcpy(out2, out1, osz);
+            memcpy(m1, m0, 4 * (size_t)len);
+            memcpy(m2, m0, 4 * (size_t)len);
+            gefen_sink s1 = sk, s2 = sk;
+            s1.out = out1;
+            s2.out = out2;
+            gefen_block_ops_scalar.requantize_apply(q, m1, mx, len, c1, &s1);
+            simd->requantize_apply(q, m2, mx, len, c2, &s2);
+            CHECK(memcmp(c1, c2, (size_t)len) == 0,
+                  "%s: requantize_apply codes differ (sink %d dt %d len %lld variant %d)", name,
+                  kinds[ki], dt, (long long)len, variant);
+            CHECK(memcmp(out1, out2, osz) == 0,
+                  "%s: requantize_apply output differs (sink %d dt %d len %lld variant %d)",
+                  name, kinds[ki], dt, (long long)len, variant);
+            if (kinds[ki] == GEFEN_SINK_M)
+              CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0,
+                    "%s: requantized values differ (len %lld variant %d)", name, (long long)len,
+                    variant);
+          }
+    }
+  }
+}
+
+static void test_requantize_apply(void) {
+  const gefen_block_ops *simd[3];
+  const char *names[3];
+  const int n = simd_tables(simd, names);
+  float c[5][256];
+  learned_codebook(c[0], 3500);
+  subnormal_codebook(c[4]);
+  learned_codebook(c[1], 40); /* padded: repeated entries */
+  for (int i = 0; i < 127; i++) c[2][i] = -1.0f + (float)i / 127.0f; /* -0 and +0 */
+  c[2][127] = -0.0f;
+  c[2][128] = 0.0f;
+  for (int i = 129; i < 256; i++) c[2][i] = (float)(i - 128) / 127.0f;
+  for (int i = 0; i < 256; i++) c[3][i] = -1.0f + 2.0f * (float)i / 255.0f; /* not exact */
+  for (int i = 100; i < 110; i++) c[3][i] = c[3][100] + (float)(i - 100) * 1e-5f;
+  for (int k = 0; k < 5; k++) {
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    if (q && k == 4) {
+      int ties = 0;
+      for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
+        for (int b = 0; b < 16; b++) ties += (q->search.tie_up[g] >> b) & 1;
+      CHECK(ties > 16, "the subnormal codebook has only %d ties that round up", ties);
+    }
+    if (!q) continue;
+    for (int s = 0; s < n; s++)
+      if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
+        requantize_apply_on(simd[s], names[s], q);
+    gefen_quantizer_destroy(q);
+  }
+}
+
+/* The largest float <= x, the smallest float >= x. */
+static float float_down(double x) {
+  float f = (float)x;
+  return (double)f > x ? nextafterf(f, -INFINITY) : f;
+}
+static float float_up(double x) {
+  float f = (float)x;
+  return (double)f < x ? nextafterf(f, INFINITY) : f;
+}
+
+/* The rule behind the search without division (quantizer_internal.h), in
+ * plain C: RN(m / mx) > t exactly when m > G(t, mx), at and around G, for
+ * magnitudes over the whole float range (subnormal, powers of two, near
+ * FLT_MAX) and the thresholds of codebooks with normal and subnormal ones. */
+static void test_scaled_rule(void) {
+  float c[2][256];
+  learned_codebook(c[0], 3500);
+  subnormal_codebook(c[1]);
+  int64_t checked = 0;
+  for (int k = 0; k < 2; k++) {
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    gefen_quantizer_create(c[k], &q, &err);
+    if (!q) continue;
+    const float *t = (const float *)&q->search.levels;
+    for (int trial = 0; trial < 400; trial++) {
+      float mx;
+      switch (trial % 4) {
+        case 0: mx = ldexpf(1.0f, (int)(rng() % 250) - 125); break;
+        case 1: mx = uniform(0.5f, 1.0f) * ldexpf(1.0f, (int)(rng() % 250) - 124); break;
+        case 2: mx = uniform(0.0f, 1.0f) * 0x1p-126f + 0x1p-149f; break; /* subnormal */
+        default: mx = FLT_MAX * uniform(0.5f, 1.0f); break;
+      }
+      for (int e = 0; e < GEFEN_SEARCH_ENTRIES; e++) {
+        const double bm = q->search.bound[e] * (double)mx;
+        const int tie = (q->search.tie_up[e / 16] >> (e % 16)) & 1;
+        const float g = tie ? nextafterf(float_up(bm), -INFINITY) : float_down(bm);
+        const float ms[5] = {g, nextafterf(g, INFINITY), nextafterf(g, -INFINITY),
+                             t[e] * mx, (float)bm};
+        for (int i = 0; i < 5; i++) {
+          const float u = ms[i] / mx;
+          const int above_u = !(u <= t[e]), above_m = !(ms[i] <= g);
+          checked++;
+          CHECK(above_u == above_m, "t %a mx %a m %a: u > t is %d, m > G is %d", t[e], mx,
+                ms[i], above_u, above_m);
+        }
+      }
+    }
+    gefen_quantizer_destroy(q);
+  }
+  printf("  scaled thresholds: %lld comparisons\n", (long long)checked);
+}
+
+/* GEFEN_SLOW=1: the threshold count against the reference rule for every
+ * float in [-1, 1] (2^31 values), on a learned and a padded codebook. */
+static void test_count_exhaustive(void) {
+  const char *slow = getenv("GEFEN_SLOW");
+  if (!slow || strcmp(slow, "1") != 0) return;
+  for (int k = 0; k < 2; k++) {
+    float c[256];
+    learned_codebook(c, k == 0 ? 3500 : 40);
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    gefen_quantizer_create(c, &q, &err);
+    int64_t bad = 0;
+    for (uint32_t sign = 0; sign < 2; sign++) {
+      int64_t bad_part = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad_part)
+      for (int64_t b = 0; b <= 0x3f800000; b++) {
+        const uint32_t bits = (sign << 31) | (uint32_t)b;
+        float u;
+        memcpy(&u, &bits, 4);
+        bad_part += gefen_quant_count(&q->search, u) != gefen_quantize_reference(c, u);
+      }
+      bad += bad_part;
+    }
+    CHECK(bad == 0, "exhaustive: %lld floats in [-1, 1] counted wrong", (long long)bad);
+    printf("  exhaustive count, codebook %d: %lld mismatches\n", k, (long long)bad);
+    gefen_quantizer_destroy(q);
   }
 }
 
@@ -462,6 +704,10 @@ int main(void) {
   test_quantizer();
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
+  printf("test_kernels: fused requantisation and sinks vs portable\n");
+  test_scaled_rule();
+  test_requantize_apply();
+  test_count_exhaustive();
   printf("test_kernels: dtype conversions\n");
   test_conversions();
   printf("test_kernels: validation\n");

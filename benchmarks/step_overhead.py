@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""How much of a CPU optimizer step is the C core and how much is Python and the
+extension around it: times every call into ``gefen._C`` during ``optimizer.step()``
+(by wrapping the module's functions) and reports, per step, the median time inside each
+C call and the rest of the step (Python: state lookup, item building, argument parsing
+in the extension).
+
+    python benchmarks/step_overhead.py [--sizes 16M] [--dtypes fp32] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+import step_time as ST  # noqa: E402
+import torch  # noqa: E402
+
+from gefen import _ext  # noqa: E402
+
+
+class CallTimer:
+    """Replaces the functions of gefen._C with timed wrappers while active."""
+
+    def __init__(self):
+        self.times = collections.defaultdict(float)
+        self._saved = {}
+
+    def __enter__(self):
+        mod = _ext._C
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            if name.startswith("_") or not callable(fn):
+                continue
+            self._saved[name] = fn
+            setattr(mod, name, self._wrap(name, fn))
+        return self
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[name] += time.perf_counter() - t0
+        return timed
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(_ext._C, name, fn)
+
+
+def profile(name: str, named, steps: int, warmup: int):
+    opt = C.make_optimizer(name, named, lr=1e-4, weight_decay=0.01)
+    for _ in range(warmup):
+        opt.step()
+    totals, parts = [], collections.defaultdict(list)
+    for _ in range(steps):
+        with CallTimer() as ct:
+            t0 = time.perf_counter()
+            opt.step()
+            totals.append(time.perf_counter() - t0)
+        for k, v in ct.times.items():
+            parts[k].append(v)
+        parts["(outside C)"].append(totals[-1] - sum(ct.times.values()))
+    return statistics.median(totals), {k: statistics.median(v) for k, v in parts.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16M")
+    p.add_argument("--dtypes", default="fp32")
+    p.add_argument("--optimizers", default="gefen,gefen-block")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    C.add_common_args(p)
+    a = p.parse_args(argv)
+    C.set_threads(a.threads)
+    C.print_header("gefen step: C core vs the rest",
+                   {"sizes": a.sizes, "dtypes": a.dtypes, "optimizers": a.optimizers})
+    results = []
+    for dname in C.parse_list(a.dtypes):
+        for size in C.parse_list(a.sizes):
+            for name in C.parse_list(a.optimizers):
+                named = ST.build_params(size, ST.DTYPES[dname], torch.device("cpu"), 0, False)
+                total, parts = profile(name, named, a.steps, a.warmup)
+                row = "  ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(parts.items()))
+                print(f"{size:>4} {dname:>5} {name:<12} step {total * 1e3:8.3f} ms | {row} ms")
+                results.append({"set": size, "dtype": dname, "optimizer": name,
+                                "step_ms": total * 1e3,
+                                "parts_ms": {k: v * 1e3 for k, v in parts.items()}})
+    C.write_json(a.json, {"benchmark": "step_overhead", "machine": C.machine_info(),
+                          "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

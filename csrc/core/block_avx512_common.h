@@ -1,0 +1,110 @@
+/* The AVX-512 helpers shared by block_avx512.c and block_avx512vbmi.c: 16-lane
+ * loads and stores of float32/bfloat16/float16 buffers with the portable
+ * rounding rules, masked tails, and the canonical float64 lanes of sums (see
+ * block_ops.h). Only for x86-64 GCC/Clang builds; every function carries the
+ * AVX-512 target attribute, so including this header enables nothing else. */
+#ifndef GEFEN_BLOCK_AVX512_COMMON_H
+#define GEFEN_BLOCK_AVX512_COMMON_H
+
+#include <float.h>
+#include <immintrin.h>
+
+#include "block_ops.h"
+#include "kernel_internal.h"
+
+#define GEFEN_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define GEFEN_AVX512_INLINE GEFEN_AVX512_TARGET static GEFEN_ALWAYS_INLINE
+
+GEFEN_AVX512_INLINE __mmask16 gefen_tail_mask16(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+
+/* 16 elements of a float32/bfloat16/float16 buffer as fp32 (masked-off lanes 0). */
+GEFEN_AVX512_INLINE __m512 gefen_load16(const void *p, gefen_dtype dt, int64_t i, __mmask16 k) {
+  switch (dt) {
+    case GEFEN_BF16: {
+      __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case GEFEN_F16:
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i));
+    default:
+      return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+  }
+}
+
+/* fp32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as gefen_f32_to_bf16). */
+GEFEN_AVX512_INLINE __m512i gefen_to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, quiet);
+}
+
+GEFEN_AVX512_INLINE void gefen_store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
+  switch (dt) {
+    case GEFEN_BF16:
+      _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)p + i, k, gefen_to_bf16_bits(v));
+      break;
+    case GEFEN_F16: {
+      /* a NaN becomes sign | 0x7e00 as in gefen_f32_to_f16 (the conversion
+       * instruction would keep payload bits) */
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
+          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
+          _mm512_set1_epi32(0x7fc00000)));
+      v = _mm512_mask_mov_ps(v, nan, canon);
+      _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
+                               _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      break;
+    }
+    default:
+      _mm512_mask_storeu_ps((float *)p + i, k, v);
+      break;
+  }
+}
+
+/* Prefetches the lines of elements [i, i + n) of a buffer of esz-byte
+ * elements. The kernels work through blocks (rows) in address order and
+ * fetch the next block (at + len) while working on this one: the hardware
+ * prefetchers alone leave each pass waiting on memory. A prefetch past the
+ * end of a buffer is harmless (no fault). */
+GEFEN_AVX512_INLINE void gefen_prefetch(const void *p, size_t esz, int64_t i, int64_t n) {
+  const char *c = (const char *)p + (size_t)i * esz;
+  for (size_t off = 0; off < (size_t)n * esz; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
+}
+
+/* Bytes per element of a float32/bfloat16/float16 buffer. */
+GEFEN_AVX512_INLINE size_t gefen_esz(gefen_dtype dt) { return dt == GEFEN_F32 ? 4 : 2; }
+
+/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
+GEFEN_AVX512_INLINE void gefen_add_lanes16(__m512d *lo, __m512d *hi, __m512 x) {
+  *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  *hi = _mm512_add_pd(
+      *hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+}
+
+/* The canonical in-order sum of the 16 lanes (see block_ops.h). */
+GEFEN_AVX512_INLINE double gefen_sum_lanes16(__m512d lo, __m512d hi) {
+  double lanes[GEFEN_SUM_LANES];
+  _mm512_storeu_pd(lanes, lo);
+  _mm512_storeu_pd(lanes + 8, hi);
+  return gefen_sum_lanes(lanes);
+}
+
+/* The AVX-512 primitives of block_avx512.c that the VBMI table reuses. */
+void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
+                            int64_t rows, double *colsum, double *sums);
+void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
+                              int64_t len, float s, float decay, float lr);
+void gefen_avx512_apply_factored(void *param, gefen_dtype dt, int64_t base, const float *mq,
+                                 int64_t len, float srow, const float *scol, float inv_bc1,
+                                 float eps, float decay, float lr);
+void gefen_avx512_muon_output(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
+                              int64_t base, const float *mq, int64_t len, float beta,
+                              float one_minus_beta, int nesterov);
+
+#endif /* GEFEN_BLOCK_AVX512_COMMON_H */

@@ -1,0 +1,365 @@
+/* The AVX-512 momentum and requantisation primitives (see block_ops.h),
+ * 64 elements at a time and without a memory gather: a template (no include
+ * guard) included once by block_avx512.c and once by block_avx512vbmi.c,
+ * which differ only in how they turn codes into codebook values (and in
+ * their target). The including file defines TARGET, INLINE and:
+ *
+ *   decode_codes64(s, codes, km, out)       C[code] of the codes at codes[0..64)
+ *                                           (the lanes of km) as 4 x 16 floats;
+ *   store_and_decode64(s, bits, codes, km, out)
+ *                                           the codes of the search's result
+ *                                           bits[4] (the count's bits reversed,
+ *                                           search64) stored at codes[0..64)
+ *                                           (the lanes of km), and their values.
+ *
+ * Nearest code: the code of u is the number of quantiser thresholds below u
+ * (gefen_quant_search, quantizer_internal.h), found by an 8-level binary
+ * search whose thresholds come from registers through vpermps / vpermi2ps.
+ * The count is exact for every codebook, so these paths need no exact lookup
+ * table. Short blocks divide u = m / mx like the portable code; long blocks
+ * search m itself against the thresholds scaled by mx, which gives the same
+ * count (gefen_quant_search explains why) without a division per element.
+ *
+ * Everything else (the fp32 operations, their order, the float64 lanes of the
+ * sums, the dtype conversions of block_avx512_common.h) is that of the
+ * portable primitives, so the results agree with them bit for bit.
+ *
+ * It defines the static functions adam_momentum, muon_momentum, requantize
+ * and requantize_apply of gefen_block_ops. */
+
+/* Blocks at least this long search m with scaled thresholds (requantize_t). */
+#define SCALED_MIN_LEN 128
+
+INLINE __mmask64 tail_mask64(int64_t left) {
+  return left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+}
+
+INLINE __mmask16 part_mask(__mmask64 k, int v) { return (__mmask16)(k >> (16 * v)); }
+
+/* The state of a momentum pass: the running max|m| and float64 lanes of g^2. */
+typedef struct {
+  __m512 vmx;
+  __m512d lo, hi;
+} momentum_acc;
+
+/* 64 elements (or the first ones of km) of the momentum pass at j. Called
+ * with km all ones (a constant) for whole groups, so that the compiler drops
+ * the masks there. */
+INLINE void momentum64(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
+                       int64_t base, const uint8_t *codes, __m512 vmag, __m512 vb1, __m512 vomb,
+                       int64_t len, float *m, int64_t j, __mmask64 km, momentum_acc *acc,
+                       const int muon, const int want_sq) {
+  gefen_prefetch(codes, 1, j + len, 64); /* the next block (gefen_prefetch) */
+  gefen_prefetch(grad, gefen_esz(dt), base + j + len, 64);
+  __m512 c[4];
+  decode_codes64(s, codes + j, km, c);
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    const int64_t i = j + 16 * v;
+    const __m512 g = gefen_load16(grad, dt, base + i, k);
+    const __m512 mo = _mm512_mul_ps(c[v], vmag);
+    const __m512 x = muon ? _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)))
+                          : _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb, g));
+    _mm512_mask_storeu_ps(m + i, k, x);
+    acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
+    if (want_sq) gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
+  }
+}
+
+/* Gefen (muon = 0): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g, with
+ * the sum of g^2 when want_sq; GefenMuon (muon = 1): mo = C[code] * mag_old,
+ * m = mo + (1 - beta) * (g - mo) (beta1 unused). Returns max|m|. */
+INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
+                        int64_t base, const uint8_t *codes, float mag_old, float beta1,
+                        float one_minus_beta, int64_t len, float *m, double *sq,
+                        const int muon, const int want_sq) {
+  const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
+               vomb = _mm512_set1_ps(one_minus_beta);
+  momentum_acc acc = {_mm512_setzero_ps(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  int64_t j = 0;
+  for (; j + 64 <= len; j += 64)
+    momentum64(s, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, ~(__mmask64)0, &acc, muon,
+               want_sq);
+  if (j < len)
+    momentum64(s, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, tail_mask64(len - j), &acc,
+               muon, want_sq);
+  if (want_sq) *sq += gefen_sum_lanes16(acc.lo, acc.hi);
+  return _mm512_reduce_max_ps(acc.vmx);
+}
+
+TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
+                                  float beta1, float one_minus_beta1, int64_t len, float *m,
+                                  double *sq) {
+  if (dt == GEFEN_F64)
+    return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
+                                                one_minus_beta1, len, m, sq);
+  const gefen_quant_search *s = &q->search;
+#define CALL(DT, SQ) \
+  return momentum_t(s, grad, DT, base, codes, mag_old, beta1, one_minus_beta1, len, m, sq, 0, SQ)
+  if (sq) {
+    switch (dt) {
+      case GEFEN_BF16: CALL(GEFEN_BF16, 1);
+      case GEFEN_F16: CALL(GEFEN_F16, 1);
+      default: CALL(GEFEN_F32, 1);
+    }
+  }
+  switch (dt) {
+    case GEFEN_BF16: CALL(GEFEN_BF16, 0);
+    case GEFEN_F16: CALL(GEFEN_F16, 0);
+    default: CALL(GEFEN_F32, 0);
+  }
+#undef CALL
+}
+
+TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
+                                  const uint8_t *codes, const gefen_quantizer *q, float mag_old,
+                                  float one_minus_beta, int64_t len, float *m) {
+  if (dt == GEFEN_F64)
+    return gefen_block_ops_scalar.muon_momentum(grad, dt, base, codes, q, mag_old,
+                                                one_minus_beta, len, m);
+  const gefen_quant_search *s = &q->search;
+#define CALL(DT) \
+  return momentum_t(s, grad, DT, base, codes, mag_old, 0.0f, one_minus_beta, len, m, NULL, 1, 0)
+  switch (dt) {
+    case GEFEN_BF16: CALL(GEFEN_BF16);
+    case GEFEN_F16: CALL(GEFEN_F16);
+    default: CALL(GEFEN_F32);
+  }
+#undef CALL
+}
+
+/* --------------------------------------------------------- requantisation */
+
+/* "u is above t": !(u <= t), so that NaN is above every threshold. */
+#define ABOVE(u, t) _mm512_cmp_ps_mask((u), (t), _CMP_NLE_UQ)
+#define SET_BIT(j, k, bit) _mm512_mask_or_epi32((j), (k), (j), _mm512_set1_epi32(bit))
+
+/* The binary search of gefen_quant_search for 4 x 16 values (u, or m with
+ * levels scaled by scale_levels): j[v] gets the count's bits in reverse order. The four vectors go level by level so that
+ * their dependency chains overlap. */
+INLINE void search64(const gefen_search_levels *s, const __m512 u[4], __m512i j[4]) {
+  __mmask16 k6[4], k7[4];
+  const __m512 t1 = _mm512_set1_ps(s->level1[0]);
+  for (int v = 0; v < 4; v++) j[v] = _mm512_maskz_mov_epi32(ABOVE(u[v], t1), _mm512_set1_epi32(1));
+  for (int level = 2; level <= 5; level++) {
+    const __m512 t = _mm512_loadu_ps(s->level2_5[level - 2]);
+    for (int v = 0; v < 4; v++)
+      j[v] = SET_BIT(j[v], ABOVE(u[v], _mm512_permutexvar_ps(j[v], t)), 1 << (level - 1));
+  }
+  const __m512 t6a = _mm512_loadu_ps(s->level6), t6b = _mm512_loadu_ps(s->level6 + 16);
+  for (int v = 0; v < 4; v++) {
+    k6[v] = ABOVE(u[v], _mm512_permutex2var_ps(t6a, j[v], t6b));
+    j[v] = SET_BIT(j[v], k6[v], 32);
+  }
+  const __m512 t7a = _mm512_loadu_ps(s->level7), t7b = _mm512_loadu_ps(s->level7 + 16),
+               t7c = _mm512_loadu_ps(s->level7 + 32), t7d = _mm512_loadu_ps(s->level7 + 48);
+  for (int v = 0; v < 4; v++) {
+    const __m512 lo = _mm512_permutex2var_ps(t7a, j[v], t7b);
+    const __m512 hi = _mm512_permutex2var_ps(t7c, j[v], t7d);
+    k7[v] = ABOVE(u[v], _mm512_mask_blend_ps(k6[v], lo, hi));
+    j[v] = SET_BIT(j[v], k7[v], 64);
+  }
+  const float *t8 = s->level8;
+  for (int v = 0; v < 4; v++) {
+    /* entry (bit 6, bit 5, bits 0-4) of the reversed index: bits 5 and 6 are
+     * the outcomes of levels 6 and 7 */
+    const __m512 c0 = _mm512_permutex2var_ps(_mm512_loadu_ps(t8), j[v], _mm512_loadu_ps(t8 + 16));
+    const __m512 c1 =
+        _mm512_permutex2var_ps(_mm512_loadu_ps(t8 + 32), j[v], _mm512_loadu_ps(t8 + 48));
+    const __m512 c2 =
+        _mm512_permutex2var_ps(_mm512_loadu_ps(t8 + 64), j[v], _mm512_loadu_ps(t8 + 80));
+    const __m512 c3 =
+        _mm512_permutex2var_ps(_mm512_loadu_ps(t8 + 96), j[v], _mm512_loadu_ps(t8 + 112));
+    const __m512 lo = _mm512_mask_blend_ps(k6[v], c0, c1), hi = _mm512_mask_blend_ps(k6[v], c2, c3);
+    j[v] = SET_BIT(j[v], ABOVE(u[v], _mm512_mask_blend_ps(k7[v], lo, hi)), 128);
+  }
+}
+
+/* The largest float below each lane (nextafter towards -inf); x is never NaN
+ * or -inf here. */
+INLINE __m512 float_below(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x), zero = _mm512_setzero_si512();
+  const __mmask16 pos = _mm512_cmpgt_epi32_mask(b, zero); /* > +0, as integers */
+  const __mmask16 zeros = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x7fffffff));
+  __m512i r = _mm512_add_epi32(b, _mm512_set1_epi32(1)); /* negative: away from zero */
+  r = _mm512_mask_sub_epi32(r, pos, b, _mm512_set1_epi32(1));
+  r = _mm512_mask_mov_epi32(r, zeros, _mm512_set1_epi32((int)0x80000001u)); /* -2^-149 */
+  return _mm512_castsi512_ps(r);
+}
+
+/* The thresholds of s in m-space for the magnitude mx (finite, > 0): u > t
+ * exactly when m > RD(b * mx), or m > float_below(RU(b * mx)) when a tie at
+ * b rounds up (gefen_quant_search). */
+INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_levels *out) {
+  const __m512d vmx = _mm512_set1_pd((double)mx);
+  float *o = (float *)out;
+  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
+    const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g), vmx); /* exact */
+    const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g + 8), vmx);
+    __m512 t = _mm512_insertf32x8(
+        _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
+        _mm512_cvt_roundpd_ps(hi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), 1);
+    const __mmask16 tie = s->tie_up[g];
+    if (tie) {
+      const __m512 up = _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)),
+          _mm512_cvt_roundpd_ps(hi, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC), 1);
+      t = _mm512_mask_mov_ps(t, tie, float_below(up));
+    }
+    _mm512_storeu_ps(o + 16 * g, t);
+  }
+}
+
+/* One vector of dequantised values mq at element i of the block to the sink
+ * (kind, dt and out_dt are constants after inlining). */
+INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
+                   const gefen_dtype out_dt, float *m, int64_t i, __m512 mq, __mmask16 k) {
+  const int64_t at = sk->base + i;
+  switch (kind) {
+    case GEFEN_SINK_M:
+      _mm512_mask_storeu_ps(m + i, k, mq);
+      break;
+    case GEFEN_SINK_ADAM_BLOCK:
+    case GEFEN_SINK_ADAM_FACTORED: {
+      __m512 s = _mm512_set1_ps(sk->s);
+      if (kind == GEFEN_SINK_ADAM_FACTORED) /* the divider is free here (no u = m / mx) */
+        s = _mm512_div_ps(_mm512_set1_ps(sk->inv_bc1),
+                          _mm512_add_ps(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, sk->scol + i)),
+                                        _mm512_set1_ps(sk->eps)));
+      const __m512 p = gefen_load16(sk->out, out_dt, at, k);
+      const __m512 delta = _mm512_mul_ps(mq, s);
+      gefen_store16(sk->out, out_dt, at,
+                    _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(sk->decay)),
+                                  _mm512_mul_ps(_mm512_set1_ps(sk->lr), delta)),
+                    k);
+      break;
+    }
+    case GEFEN_SINK_MUON: {
+      __m512 o = mq;
+      if (sk->nesterov)
+        o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->beta), mq),
+                          _mm512_mul_ps(_mm512_set1_ps(sk->one_minus_beta),
+                                        gefen_load16(sk->grad, dt, at, k)));
+      gefen_store16(sk->out, out_dt, at, o, k);
+      break;
+    }
+  }
+}
+
+/* 64 elements (or the first ones of km) of the requantisation pass at j
+ * (km all ones, a constant, for whole groups: see momentum64). */
+/* mode: how the search gets u = m / mx (see requantize_t). */
+enum { BY_ZERO, BY_DIVISION, BY_SCALED_LEVELS };
+
+INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels *levels,
+                         float *m, __m512 vmx, const int mode, int64_t len, uint8_t *codes,
+                         const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
+                         const gefen_dtype out_dt, int64_t j, __mmask64 km) {
+  if (kind != GEFEN_SINK_M) gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
+  __m512 u[4];
+  __m512i bits[4];
+  for (int v = 0; v < 4; v++) {
+    const __m512 x = _mm512_maskz_loadu_ps(part_mask(km, v), m + j + 16 * v);
+    u[v] = mode == BY_SCALED_LEVELS ? x
+           : mode == BY_DIVISION    ? _mm512_div_ps(x, vmx)
+                                    : _mm512_setzero_ps();
+  }
+  search64(levels, u, bits);
+  __m512 c[4];
+  store_and_decode64(s, bits, codes + j, km, c);
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    if (k) sink16(sk, kind, dt, out_dt, m, j + 16 * v, _mm512_mul_ps(c[v], vmx), k);
+  }
+}
+
+INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                         uint8_t *codes, const gefen_sink *sink, const gefen_sink_kind kind,
+                         const gefen_dtype dt, const gefen_dtype out_dt) {
+  const gefen_quant_search *s = &q->search;
+  /* a copy, so that the stores below (which may alias anything) do not make
+   * the compiler read the sink's fields again for every vector */
+  const gefen_sink sink_copy = *sink, *sk = &sink_copy;
+  const __m512 vmx = _mm512_set1_ps(mx);
+  /* u = 0 everywhere (NaN included) when mx is 0; for a long block with a
+   * finite mx, the thresholds scaled by mx instead of a division per element
+   * (about 10 cycles per 16 lanes, the scaling about 100 per block) */
+  _Alignas(64) gefen_search_levels scaled;
+  const gefen_search_levels *levels = &s->levels;
+  int mode = BY_DIVISION;
+  if (!(mx > 0.0f)) {
+    mode = BY_ZERO;
+  } else if (len >= SCALED_MIN_LEN && mx <= FLT_MAX) {
+    mode = BY_SCALED_LEVELS;
+    scale_levels(s, mx, &scaled);
+    levels = &scaled;
+  }
+#define PASS(MODE)                                                                          \
+  do {                                                                                      \
+    int64_t j = 0;                                                                          \
+    for (; j + 64 <= len; j += 64)                                                          \
+      requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
+                   ~(__mmask64)0);                                                          \
+    if (j < len)                                                                            \
+      requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
+                   tail_mask64(len - j));                                                   \
+  } while (0)
+  if (mode == BY_SCALED_LEVELS)
+    PASS(BY_SCALED_LEVELS);
+  else if (mode == BY_DIVISION)
+    PASS(BY_DIVISION);
+  else
+    PASS(BY_ZERO);
+#undef PASS
+}
+
+TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                                    uint8_t *codes, const gefen_sink *sk) {
+  const gefen_sink_kind kind = sk->kind;
+  const gefen_dtype out_dt = sk->out_dtype, dt = sk->dtype;
+  if ((kind != GEFEN_SINK_M && out_dt == GEFEN_F64) ||
+      (kind == GEFEN_SINK_MUON && sk->nesterov && dt == GEFEN_F64)) {
+    /* float64 parameters and gradients: the portable arithmetic */
+    const gefen_sink to_m = {.kind = GEFEN_SINK_M};
+    requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+    gefen_sink_apply(gefen_block_ops_avx512(), m, len, sk);
+    return;
+  }
+#define CALL(KIND, DT, ODT)                                 \
+  requantize_t(q, m, mx, len, codes, sk, KIND, DT, ODT); \
+  return
+#define BY_OUT(KIND, DT)                                       \
+  switch (out_dt) {                                           \
+    case GEFEN_BF16: CALL(KIND, DT, GEFEN_BF16);              \
+    case GEFEN_F16: CALL(KIND, DT, GEFEN_F16);                \
+    default: CALL(KIND, DT, GEFEN_F32);                       \
+  }
+  switch (kind) {
+    case GEFEN_SINK_M: CALL(GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+    case GEFEN_SINK_ADAM_BLOCK: BY_OUT(GEFEN_SINK_ADAM_BLOCK, GEFEN_F32)
+    case GEFEN_SINK_ADAM_FACTORED: BY_OUT(GEFEN_SINK_ADAM_FACTORED, GEFEN_F32)
+    case GEFEN_SINK_MUON:
+      if (out_dt == GEFEN_BF16) {
+        switch (dt) {
+          case GEFEN_BF16: CALL(GEFEN_SINK_MUON, GEFEN_BF16, GEFEN_BF16);
+          case GEFEN_F16: CALL(GEFEN_SINK_MUON, GEFEN_F16, GEFEN_BF16);
+          default: CALL(GEFEN_SINK_MUON, GEFEN_F32, GEFEN_BF16);
+        }
+      }
+      switch (dt) {
+        case GEFEN_BF16: CALL(GEFEN_SINK_MUON, GEFEN_BF16, GEFEN_F32);
+        case GEFEN_F16: CALL(GEFEN_SINK_MUON, GEFEN_F16, GEFEN_F32);
+        default: CALL(GEFEN_SINK_MUON, GEFEN_F32, GEFEN_F32);
+      }
+  }
+#undef BY_OUT
+#undef CALL
+}
+
+TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                              uint8_t *codes) {
+  const gefen_sink to_m = {.kind = GEFEN_SINK_M};
+  requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+}
+
