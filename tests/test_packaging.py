@@ -86,7 +86,7 @@ def _cpu_flags():
 
 def test_simd_path_is_the_one_this_cpu_supports():
     flags = _cpu_flags()
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vbmi"} <= flags:
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi"} <= flags:
         expected = "avx512vbmi"
     elif {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         expected = "avx512"
