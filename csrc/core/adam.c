@@ -4,7 +4,13 @@
  * (factored form) across all items of a call, so one parallel region serves a
  * whole parameter group. Each block is two passes: the first forms the new
  * momentum into a per-thread scratch and finds its magnitude, the second
- * requantises it and writes codes and parameters. */
+ * requantises it and writes codes and parameters.
+ *
+ * Factored items with momentum_in_stats move the momentum into phase 1, where
+ * the gradient is read anyway: phase 1 takes a few rows' statistics, then
+ * (the rows still in cache) their momentum, magnitudes and codes; phase 2
+ * decodes C[code] * magnitude and applies it, without reading the gradient.
+ * The kernels and their order of operations are the same, so are the bits. */
 #include <float.h>
 #include <stdlib.h>
 
@@ -67,13 +73,41 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
 
 /* ----------------------------------------------------- factored phase 1 */
 
-static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops *ops,
-                                int64_t r0, int64_t r1, double *colsum, double *vrow_sum) {
+/* momentum_in_stats: row r's momentum (§4 step 4), block magnitudes (5) and
+ * codes (6), exactly as factored_chunk forms them without the flag; the
+ * dequantised values are not formed (phase 2 decodes them). */
+static void momentum_row(const gefen_adam_item *it, const gefen_quantizer *q,
+                         const gefen_block_ops *ops, int64_t r, float *m) {
+  const int64_t P = it->period, cols = it->cols;
+  const float beta1 = (float)it->beta1, one_minus_beta1 = (float)(1.0 - it->beta1);
+  const gefen_sink codes_only = {.kind = GEFEN_SINK_CODES};
+  for (int64_t c0 = 0; c0 < cols; c0 += P) {
+    const int64_t base = r * cols + c0, b = base / P;
+    uint8_t *codes = it->codes + base;
+    const float mx = ops->adam_momentum(it->grad, it->dtype, base, codes, q, it->magnitude[b],
+                                        beta1, one_minus_beta1, P, m, NULL);
+    it->magnitude[b] = mx;
+    if (it->stochastic_round)
+      gefen_requantize_stochastic(q, m, mx, P, codes, it->seed, (it->row_offset + r) * cols + c0);
+    else
+      ops->requantize_apply(q, m, mx, P, codes, &codes_only);
+  }
+}
+
+/* Rows whose statistics are taken at once (row_stats adds them to the column
+ * sums row after row, so the grouping does not change a bit); with
+ * momentum_in_stats their momentum follows while they are in cache. */
+#define STATS_ROWS 8
+
+static void factored_stats_rows(const gefen_adam_item *it, const gefen_quantizer *q,
+                                const gefen_block_ops *ops, int64_t r0, int64_t r1,
+                                double *colsum, double *vrow_sum, float *m) {
   const int64_t cols = it->cols;
   const float b2 = (float)it->beta2, omb2 = (float)(1.0 - it->beta2);
-  double vsum = 0.0, sums[8];
-  for (int64_t r = r0; r < r1; r += 8) {
-    const int64_t n = r1 - r < 8 ? r1 - r : 8;
+  const int with_momentum = it->momentum_in_stats != 0;
+  double vsum = 0.0, sums[STATS_ROWS];
+  for (int64_t r = r0; r < r1; r += STATS_ROWS) {
+    const int64_t n = r1 - r < STATS_ROWS ? r1 - r : STATS_ROWS;
     ops->row_stats(it->grad, it->dtype, r * cols, cols, n, colsum, sums);
     for (int64_t i = 0; i < n; i++) {
       const double mean = sums[i] / (double)cols;
@@ -81,6 +115,8 @@ static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops
       const float vr = b2 * it->v_row[r + i] + omb2 * (float)mean;
       vsum += vr;
     }
+    if (with_momentum)
+      for (int64_t i = 0; i < n; i++) momentum_row(it, q, ops, r + i, m);
   }
   *vrow_sum += vsum;
 }
@@ -96,30 +132,47 @@ static int64_t stats_chunks(const gefen_adam_item *it) {
   return c > 1 ? c : 1;
 }
 
-gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
-                                       int nthreads, gefen_error *err) {
+static int momentum_in_stats(const gefen_adam_item *it) {
+  return !it->vmean && it->momentum_in_stats;
+}
+
+gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
+                                            const gefen_adam_item *items, int64_t n,
+                                            const gefen_quantizer *q, int nthreads,
+                                            gefen_error *err) {
   gefen_status st = gefen_adam_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   const int nt = gefen_threads(nthreads);
-  const gefen_block_ops *ops = gefen_block_ops_for(NULL);
   /* one work entry per chunk; a chunk's partial sums live in `part` unless
    * it is its item's only chunk, which sums straight into col_stats */
-  int64_t nwork = 0, npart = 0;
+  int64_t nwork = 0, npart = 0, max_period = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (!momentum_in_stats(&items[i])) continue;
+    if (!q)
+      return gefen_fail_item(err, GEFEN_EVALUE, i,
+                             "momentum_in_stats needs the quantizer in phase 1 "
+                             "(gefen_adam_factored_stats_momentum)");
+    if (items[i].period > max_period) max_period = items[i].period;
+  }
   for (int64_t i = 0; i < n; i++) {
     if (items[i].vmean) continue;
-    memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
     const int64_t c = stats_chunks(&items[i]);
     nwork += c;
     if (c > 1) npart += c * (items[i].cols + 1);
   }
+  for (int64_t i = 0; i < n; i++)
+    if (!items[i].vmean) memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
   if (nwork == 0) return GEFEN_OK;
   gefen_work *work = malloc((size_t)nwork * sizeof *work);
   double **dest = malloc((size_t)nwork * sizeof *dest);
   double *part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
-  if (!work || !dest || !part) {
+  /* momentum_in_stats: one momentum block per thread */
+  float *mbuf = max_period > 0 ? malloc((size_t)nt * (size_t)max_period * sizeof(float)) : NULL;
+  if (!work || !dest || !part || (max_period > 0 && !mbuf)) {
     free(work);
     free(dest);
     free(part);
+    free(mbuf);
     return gefen_fail(err, GEFEN_ENOMEM, "factored statistics: out of memory");
   }
   int64_t w = 0, off = 0;
@@ -135,8 +188,13 @@ gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nwork > 1 && nt > 1)
   for (int64_t k = 0; k < nwork; k++) {
+#ifdef _OPENMP
+    float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)max_period : NULL;
+#else
+    float *m = mbuf;
+#endif
     const gefen_adam_item *it = &items[work[k].item];
-    factored_stats_rows(it, ops, work[k].begin, work[k].end, dest[k], dest[k] + it->cols);
+    factored_stats_rows(it, q, ops, work[k].begin, work[k].end, dest[k], dest[k] + it->cols, m);
   }
   for (int64_t k = 0; k < nwork; k++) {
     const gefen_adam_item *it = &items[work[k].item];
@@ -146,7 +204,20 @@ gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
   free(work);
   free(dest);
   free(part);
+  free(mbuf);
   return GEFEN_OK;
+}
+
+gefen_status gefen_adam_factored_stats_momentum(const gefen_adam_item *items, int64_t n,
+                                                const gefen_quantizer *q, int nthreads,
+                                                gefen_error *err) {
+  return gefen_adam_factored_stats_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
+}
+
+gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
+                                       int nthreads, gefen_error *err) {
+  return gefen_adam_factored_stats_with(gefen_block_ops_for(NULL), items, n, NULL, nthreads,
+                                        err);
 }
 
 /* ------------------------------------------------------------- the update */
@@ -233,10 +304,20 @@ static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
                            int64_t r1, float *m) {
   const int64_t P = it->period, cols = it->cols;
   gefen_sink sink = adam_sink(it, k, GEFEN_SINK_ADAM_FACTORED);
+  const int decode = it->momentum_in_stats != 0;
   for (int64_t r = r0; r < r1; r++) {
     const float vr = k->beta2 * it->v_row[r] + k->one_minus_beta2 * (float)it->row_stats[r];
     it->v_row[r] = vr;
     sink.s = sqrtf(vr);
+    if (decode) { /* phase 1 wrote the new codes and magnitudes */
+      for (int64_t c0 = 0; c0 < cols; c0 += P) {
+        const int64_t base = r * cols + c0;
+        sink.base = base;
+        sink.scol = k->scol + c0;
+        ops->dequantize_apply(q, it->codes + base, it->magnitude[base / P], P, m, &sink);
+      }
+      continue;
+    }
     for (int64_t c0 = 0; c0 < cols; c0 += P) {
       const int64_t base = r * cols + c0, b = base / P;
       /* the block's sum of squares is not needed: sq = NULL */
@@ -263,13 +344,12 @@ static void adam_units(const void *items, int64_t i, int64_t *units,
   }
 }
 
-gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
-                               const gefen_quantizer *q, int nthreads,
-                               gefen_error *err) {
+gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                    int64_t n, const gefen_quantizer *q, int nthreads,
+                                    gefen_error *err) {
   gefen_status st = gefen_adam_validate(items, n, err);
   if (st != GEFEN_OK) return st;
   if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
-  const gefen_block_ops *ops = gefen_block_ops_for(q);
   const int nt = gefen_threads(nthreads);
 
   /* Sizes of the scratch: per-item constants, the factored column factors,
@@ -321,4 +401,10 @@ gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
   free(mbuf);
   gefen_work_free(&wl);
   return GEFEN_OK;
+}
+
+gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
+                               const gefen_quantizer *q, int nthreads,
+                               gefen_error *err) {
+  return gefen_adam_update_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
 }

@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define GEFEN_CORE_VERSION 2
+#define GEFEN_CORE_VERSION 3
 
 #define GEFEN_CODEBOOK_SIZE 256   /* entries in a codebook, codes are uint8 */
 #define GEFEN_HIST_BINS 4096      /* histogram bins over [-1, 1] */
@@ -227,6 +227,11 @@ typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   int stochastic_round;    /* 0: nearest, 1: §6 with seed */
   uint64_t seed;           /* the global step before increment */
+  int momentum_in_stats;   /* factored items: phase 1 also forms the momentum, its new
+                            * block magnitudes and codes (writing codes and magnitude);
+                            * phase 2 then decodes them instead of reading the gradient
+                            * again. CPU only: the CUDA launchers ignore it. Block items
+                            * ignore it. */
 } gefen_adam_item;
 
 /* Checks the sizes, pointers and hyper-parameters of items without touching
@@ -237,14 +242,33 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
 /* Factored phase 1 (items whose vmean is NULL; others are skipped): writes
  * col_stats[j] = sum over local rows of g_ij^2 (j < cols),
  * col_stats[cols] = sum over local rows of the new v_row_i, and
- * row_stats[i] = mean_j g_ij^2. Reads only; mutates no state. The caller then
- * all-reduces col_stats over the ranks that share the parameter. */
+ * row_stats[i] = mean_j g_ij^2. For items without momentum_in_stats it reads
+ * only and mutates no state. The caller then all-reduces col_stats over the
+ * ranks that share the parameter. Items with momentum_in_stats need the
+ * quantiser: use gefen_adam_factored_stats_momentum (this call refuses them). */
 gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
                                        int nthreads, gefen_error *err);
 
+/* Factored phase 1 as gefen_adam_factored_stats (the same statistics, bit for
+ * bit), and for the factored items with momentum_in_stats also §4 steps 4-6 in
+ * the same pass over the gradient: the momentum from the stored codes and
+ * magnitudes, its new block magnitudes and its requantisation (nearest, or
+ * stochastic with the item's seed and global indices), written to codes and
+ * magnitude. So for those items phase 1 MUTATES codes and magnitude, and
+ * phase 2 (gefen_adam_update, with the same quantiser) must follow it exactly
+ * once: it decodes C[code] * magnitude instead of reading the gradient, and
+ * the step's results are bit for bit those of the items without the flag.
+ * q may be NULL when no factored item has the flag. Fails (GEFEN_ENOMEM,
+ * validation) before mutating anything. */
+gefen_status gefen_adam_factored_stats_momentum(const gefen_adam_item *items, int64_t n,
+                                                const gefen_quantizer *q, int nthreads,
+                                                gefen_error *err);
+
 /* The fused update of ALGORITHM.md §4 for every item (factored items need
- * their reduced phase-1 buffers). Mutates param, codes, magnitude and the
- * second moments. */
+ * their reduced phase-1 buffers; factored items with momentum_in_stats, the
+ * codes and magnitudes their phase 1 wrote). Mutates param, codes, magnitude
+ * and the second moments (with momentum_in_stats: param and the second
+ * moments). */
 gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
                                const gefen_quantizer *q, int nthreads,
                                gefen_error *err);
