@@ -23,7 +23,7 @@ from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
 from ._learning import choose_periods, learn_codebook
-from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view
+from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view, place
 
 
 @dataclass
@@ -144,17 +144,16 @@ class _QuantizedOptimizer(Optimizer):
     def _views(self) -> list[ParamView]:
         """A view of every parameter with at least one element (global), in group order.
         Layouts (placements, shard groups, row ranges) are computed once per parameter."""
-        layouts = self.__dict__.setdefault("_layout_cache", {})
+        placements = self.__dict__.setdefault("_layout_cache", {})
         views = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.numel() == 0:
+                pl = placements.get(p)
+                if pl is None:
+                    pl = placements[p] = place(p, param_name(group, gi, i))
+                if pl.rows * pl.cols == 0:
                     continue  # nothing to update, no state
-                name = param_name(group, gi, i)
-                layout = layouts.get(p)
-                if layout is None:
-                    layout = layouts[p] = layout_of(p, name)
-                views.append(make_view(p, name, group, gi, i, layout))
+                views.append(make_view(p, pl.name, group, gi, i, pl))
         return views
 
     def _header(self, lrs: dict[int, float]) -> list[str]:

@@ -33,9 +33,7 @@ def is_dtensor(t) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (no copy, no autograd), else the tensor itself."""
-    if is_dtensor(t):
-        return t._local_tensor
-    return t
+    return getattr(t, "_local_tensor", t)
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,8 +120,8 @@ class ParamView:
 
     ``key`` is the parameter the optimizer holds (an ``nn.Parameter``, possibly a
     DTensor); ``param``/``grad`` are its local shard and gradient (detached);
-    ``shape`` is the *global* shape and ``row_offset`` the global index of the first
-    local row.
+    ``shape`` is the *global* shape (``rows`` = R, ``cols`` = S) and ``row_offset`` the
+    global index of the first of this rank's ``local_rows`` rows.
     """
 
     key: torch.Tensor
@@ -136,36 +134,56 @@ class ParamView:
     shape: torch.Size
     row_offset: int
     layout: Layout
-
-    @property
-    def rows(self) -> int:
-        """R: global rows."""
-        return rows_cols(self.shape)[0]
-
-    @property
-    def cols(self) -> int:
-        """S: elements per dim-0 slice."""
-        return rows_cols(self.shape)[1]
+    rows: int
+    cols: int
+    local_rows: int
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return self.rows * self.cols
 
-    @property
-    def local_rows(self) -> int:
-        return rows_cols(self.param.shape)[0] if self.param.dim() else 1
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """What a step needs to know of a parameter that never changes: its name, layout
+    and rows (global, and this rank's). Cached by the optimizer per parameter."""
+
+    name: str
+    layout: Layout
+    shape: torch.Size
+    rows: int
+    cols: int
+    row_offset: int
+    local_rows: int
+
+
+def place(key: torch.Tensor, name: str) -> Placement:
+    """The :class:`Placement` of a parameter (its layout checked, its shard located)."""
+    layout = layout_of(key, name)
+    shape = key.shape
+    rows, cols = rows_cols(shape)
+    offset, nrows = row_range(rows, layout)
+    lp = local(key)
+    if layout.distributed and lp.dim() and lp.shape[0] != nrows:
+        raise NotImplementedError(
+            f"parameter '{name}': the local shard has {lp.shape[0]} rows where Shard(0) of "
+            f"{shape[0]} rows over {layout.shard_size} ranks gives {nrows}; gefen supports "
+            "even and torch.chunk-style uneven row shards"
+        )
+    local_rows = (lp.shape[0] if lp.dim() else 1) if layout.distributed else rows
+    return Placement(name, layout, shape, rows, cols, offset, local_rows)
 
 
 def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
-              layout: Layout | None = None) -> ParamView:
-    """The view of one parameter (its layout checked, its shard located); ``layout``:
-    the parameter's layout when the caller has it cached."""
-    if layout is None:
-        layout = layout_of(key, name)
+              placement: Placement | None = None) -> ParamView:
+    """The view of one parameter; ``placement``: its cached :func:`place`."""
+    pl = placement if placement is not None else place(key, name)
+    layout = pl.layout
     lp = local(key).detach()
     g = key.grad
     if g is not None:
-        if is_dtensor(g):
+        lg = getattr(g, "_local_tensor", None)
+        if lg is not None:
             if tuple(g.placements) != tuple(layout.placements) or (
                 g.device_mesh is not layout.mesh and g.device_mesh != layout.mesh
             ):
@@ -174,22 +192,16 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
                     f"the parameter's {tuple(layout.placements)}; gefen needs the gradient "
                     "sharded like the parameter (reduce it first)"
                 )
-            g = local(g)
+            g = lg
         elif layout.distributed:
             raise TypeError(
                 f"parameter '{name}': the parameter is a DTensor but its gradient is a plain "
                 "tensor"
             )
         g = g.detach()
-    shape = key.shape
-    offset, nrows = row_range(rows_cols(shape)[0], layout)
-    if layout.distributed and lp.dim() and lp.shape[0] != nrows:
-        raise NotImplementedError(
-            f"parameter '{name}': the local shard has {lp.shape[0]} rows where Shard(0) of "
-            f"{shape[0]} rows over {layout.shard_size} ranks gives {nrows}; gefen supports "
-            "even and torch.chunk-style uneven row shards"
-        )
-    return ParamView(key, name, group, gi, i, lp, g, shape, offset, layout)
+    local_rows = pl.local_rows if layout.distributed else (lp.shape[0] if lp.dim() else 1)
+    return ParamView(key, name, group, gi, i, lp, g, pl.shape, pl.row_offset, layout, pl.rows,
+                     pl.cols, local_rows)
 
 
 def make_row_state(view: ParamView, local_state: torch.Tensor, global_shape) -> torch.Tensor:

@@ -187,31 +187,35 @@ class Gefen(_QuantizedOptimizer):
         seed = self._global_step
         buffers = {}
         reserved = []
+        hyper = {}  # id(group) -> the group's scalars, read once
         for v in plan.views:
             st = plan.state_of(self, v.key)
             group = v.group
+            h = hyper.get(id(group))
+            if h is None:
+                beta1, beta2 = group["betas"]
+                h = hyper[id(group)] = dict(
+                    lr=plan.lr(group), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    stochastic_round=bool(group["stochastic_round"]),
+                )
             p = v.param
             if not p.is_contiguous():
                 pc = p.contiguous()
                 copies.append((p, pc))
                 p = pc
-            rows, cols = rows_cols(v.shape)
             row_stats = col_key = None
             if st["factored"]:
                 row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=p.device)
                 buf = buffers.setdefault(p.device, ShardBuffers(p.device))
-                col_key = (buf, *buf.reserve(v.layout, cols + 1))
-            beta1, beta2 = group["betas"]
+                col_key = (buf, *buf.reserve(v.layout, v.cols + 1))
             items.append(
                 AdamItem(
                     name=v.name, param=p, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key),
                     magnitude=local(st["magnitude"]), vmean=local(st.get("vmean")),
                     v_row=local(st.get("v_row")), v_col=local(st.get("v_col")),
-                    col_stats=None, row_stats=row_stats, period=int(st["period"]),
-                    row_offset=v.row_offset, global_rows=rows, step=int(st["step"]) + 1,
-                    lr=plan.lr(group), beta1=float(beta1), beta2=float(beta2),
-                    eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                    stochastic_round=bool(group["stochastic_round"]), seed=seed,
+                    col_stats=None, row_stats=row_stats, period=st["period"],
+                    row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1, seed=seed, **h,
                 )
             )
             reserved.append(col_key)
