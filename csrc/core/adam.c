@@ -136,56 +136,75 @@ static int momentum_in_stats(const gefen_adam_item *it) {
   return !it->vmean && it->momentum_in_stats;
 }
 
-gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
-                                            const gefen_adam_item *items, int64_t n,
-                                            const gefen_quantizer *q, int nthreads,
-                                            gefen_error *err) {
-  gefen_status st = gefen_adam_validate(items, n, err);
-  if (st != GEFEN_OK) return st;
-  const int nt = gefen_threads(nthreads);
-  /* one work entry per chunk; a chunk's partial sums live in `part` unless
-   * it is its item's only chunk, which sums straight into col_stats */
-  int64_t nwork = 0, npart = 0, max_period = 0;
+/* Phase 1's scratch, allocated before anything is written (stats_prepare)
+ * so that a step can hold both phases' scratch before its first mutation. */
+typedef struct {
+  int64_t nwork, max_period;
+  gefen_work *work; /* one entry per chunk */
+  double **dest;    /* its sums: into `part`, or its item's col_stats when it is the only chunk */
+  double *part;
+  float *mbuf;      /* momentum_in_stats: one momentum block per thread */
+} stats_scratch;
+
+static void stats_free(stats_scratch *s) {
+  free(s->work);
+  free(s->dest);
+  free(s->part);
+  free(s->mbuf);
+  memset(s, 0, sizeof *s);
+}
+
+/* Checks the quantiser of flagged items and allocates the scratch; writes
+ * nothing of the items. */
+static gefen_status stats_prepare(const gefen_adam_item *items, int64_t n,
+                                  const gefen_quantizer *q, int nt, stats_scratch *s,
+                                  gefen_error *err) {
+  memset(s, 0, sizeof *s);
+  int64_t npart = 0;
   for (int64_t i = 0; i < n; i++) {
-    if (!momentum_in_stats(&items[i])) continue;
+    if (!momentum_in_stats(&items[i]) || stats_chunks(&items[i]) == 0) continue;
     if (!q)
       return gefen_fail_item(err, GEFEN_EVALUE, i,
                              "momentum_in_stats needs the quantizer in phase 1 "
-                             "(gefen_adam_factored_stats_momentum)");
-    if (items[i].period > max_period) max_period = items[i].period;
+                             "(gefen_adam_step)");
+    if (items[i].period > s->max_period) s->max_period = items[i].period;
   }
   for (int64_t i = 0; i < n; i++) {
-    if (items[i].vmean) continue;
     const int64_t c = stats_chunks(&items[i]);
-    nwork += c;
+    s->nwork += c;
     if (c > 1) npart += c * (items[i].cols + 1);
   }
-  for (int64_t i = 0; i < n; i++)
-    if (!items[i].vmean) memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
-  if (nwork == 0) return GEFEN_OK;
-  gefen_work *work = malloc((size_t)nwork * sizeof *work);
-  double **dest = malloc((size_t)nwork * sizeof *dest);
-  double *part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
-  /* momentum_in_stats: one momentum block per thread */
-  float *mbuf = max_period > 0 ? malloc((size_t)nt * (size_t)max_period * sizeof(float)) : NULL;
-  if (!work || !dest || !part || (max_period > 0 && !mbuf)) {
-    free(work);
-    free(dest);
-    free(part);
-    free(mbuf);
+  if (s->nwork == 0) return GEFEN_OK;
+  s->work = malloc((size_t)s->nwork * sizeof *s->work);
+  s->dest = malloc((size_t)s->nwork * sizeof *s->dest);
+  s->part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
+  if (s->max_period > 0) s->mbuf = malloc((size_t)nt * (size_t)s->max_period * sizeof(float));
+  if (!s->work || !s->dest || !s->part || (s->max_period > 0 && !s->mbuf)) {
+    stats_free(s);
     return gefen_fail(err, GEFEN_ENOMEM, "factored statistics: out of memory");
   }
   int64_t w = 0, off = 0;
   for (int64_t i = 0; i < n; i++) {
     const int64_t c = stats_chunks(&items[i]);
     for (int64_t k = 0; k < c; k++, w++) {
-      work[w].item = i;
-      work[w].begin = items[i].rows * k / c;
-      work[w].end = items[i].rows * (k + 1) / c;
-      dest[w] = c > 1 ? part + off + k * (items[i].cols + 1) : items[i].col_stats;
+      s->work[w].item = i;
+      s->work[w].begin = items[i].rows * k / c;
+      s->work[w].end = items[i].rows * (k + 1) / c;
+      s->dest[w] = c > 1 ? s->part + off + k * (items[i].cols + 1) : items[i].col_stats;
     }
     if (c > 1) off += c * (items[i].cols + 1);
   }
+  return GEFEN_OK;
+}
+
+/* Phase 1 on prepared scratch: cannot fail. */
+static void stats_run(const gefen_block_ops *ops, const gefen_adam_item *items, int64_t n,
+                      const gefen_quantizer *q, int nt, const stats_scratch *s) {
+  for (int64_t i = 0; i < n; i++)
+    if (!items[i].vmean) memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
+  const int64_t nwork = s->nwork, max_period = s->max_period;
+  if (nwork == 0) return;
+  float *const mbuf = s->mbuf;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nwork > 1 && nt > 1)
   for (int64_t k = 0; k < nwork; k++) {
 #ifdef _OPENMP
@@ -193,29 +212,49 @@ gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
 #else
     float *m = mbuf;
 #endif
-    const gefen_adam_item *it = &items[work[k].item];
-    factored_stats_rows(it, q, ops, work[k].begin, work[k].end, dest[k], dest[k] + it->cols, m);
+    const gefen_adam_item *it = &items[s->work[k].item];
+    factored_stats_rows(it, q, ops, s->work[k].begin, s->work[k].end, s->dest[k],
+                        s->dest[k] + it->cols, m);
   }
   for (int64_t k = 0; k < nwork; k++) {
-    const gefen_adam_item *it = &items[work[k].item];
-    if (dest[k] == it->col_stats) continue;
-    for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += dest[k][j];
+    const gefen_adam_item *it = &items[s->work[k].item];
+    if (s->dest[k] == it->col_stats) continue;
+    for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += s->dest[k][j];
   }
-  free(work);
-  free(dest);
-  free(part);
-  free(mbuf);
+}
+
+gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
+                                            const gefen_adam_item *items, int64_t n,
+                                            const gefen_quantizer *q, int nthreads,
+                                            gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  const int nt = gefen_threads(nthreads);
+  stats_scratch s;
+  st = stats_prepare(items, n, q, nt, &s, err);
+  if (st != GEFEN_OK) return st;
+  stats_run(ops, items, n, q, nt, &s);
+  stats_free(&s);
   return GEFEN_OK;
 }
 
-gefen_status gefen_adam_factored_stats_momentum(const gefen_adam_item *items, int64_t n,
-                                                const gefen_quantizer *q, int nthreads,
-                                                gefen_error *err) {
-  return gefen_adam_factored_stats_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
+/* The public two-phase calls: not for items with momentum_in_stats. */
+static gefen_status refuse_flag(const gefen_adam_item *items, int64_t n, const char *call,
+                                gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  for (int64_t i = 0; i < n; i++)
+    if (momentum_in_stats(&items[i]))
+      return gefen_fail_item(err, GEFEN_EVALUE, i,
+                             "%s does not take momentum_in_stats (phase 1 would write codes "
+                             "and magnitudes): use gefen_adam_step", call);
+  return GEFEN_OK;
 }
 
 gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
                                        int nthreads, gefen_error *err) {
+  gefen_status st = refuse_flag(items, n, "gefen_adam_factored_stats", err);
+  if (st != GEFEN_OK) return st;
   return gefen_adam_factored_stats_with(gefen_block_ops_for(NULL), items, n, NULL, nthreads,
                                         err);
 }
@@ -344,67 +383,140 @@ static void adam_units(const void *items, int64_t i, int64_t *units,
   }
 }
 
-gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
-                                    int64_t n, const gefen_quantizer *q, int nthreads,
-                                    gefen_error *err) {
-  gefen_status st = gefen_adam_validate(items, n, err);
-  if (st != GEFEN_OK) return st;
-  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
-  const int nt = gefen_threads(nthreads);
+/* The update's scratch: per-item constants, the factored column factors,
+ * one momentum block per thread, and the chunk list. */
+typedef struct {
+  int64_t max_period;
+  gefen_work_list wl;
+  adam_consts *consts;
+  float *scol, *mbuf;
+} update_scratch;
 
-  /* Sizes of the scratch: per-item constants, the factored column factors,
-   * one momentum block per thread, and the chunk list. */
-  int64_t scol_total = 0, max_period = 1;
+static void update_free(update_scratch *u) {
+  free(u->consts);
+  free(u->scol);
+  free(u->mbuf);
+  gefen_work_free(&u->wl);
+  memset(u, 0, sizeof *u);
+}
+
+/* Allocates the scratch; writes nothing of the items. */
+static gefen_status update_prepare(const gefen_adam_item *items, int64_t n, int nt,
+                                   update_scratch *u, gefen_error *err) {
+  memset(u, 0, sizeof *u);
+  int64_t scol_total = 0;
+  u->max_period = 1;
   for (int64_t i = 0; i < n; i++) {
     if (!items[i].vmean) scol_total += items[i].cols;
-    if (items[i].period > max_period) max_period = items[i].period;
+    /* the momentum blocks of items with elements (an empty item's period
+     * may be anything up to its column count) */
+    if (items[i].rows > 0 && items[i].cols > 0 && items[i].period > u->max_period)
+      u->max_period = items[i].period;
   }
-  gefen_work_list wl;
-  st = gefen_work_plan(&wl, items, n, adam_units, err);
+  gefen_status st = gefen_work_plan(&u->wl, items, n, adam_units, err);
   if (st != GEFEN_OK) return st;
-  adam_consts *consts = malloc((size_t)(n > 0 ? n : 1) * sizeof *consts);
-  float *scol = malloc((size_t)(scol_total > 0 ? scol_total : 1) * sizeof(float));
-  float *mbuf = malloc((size_t)nt * (size_t)max_period * sizeof(float));
-  if (!consts || !scol || !mbuf) {
-    free(consts);
-    free(scol);
-    free(mbuf);
-    gefen_work_free(&wl);
+  u->consts = malloc((size_t)(n > 0 ? n : 1) * sizeof *u->consts);
+  u->scol = malloc((size_t)(scol_total > 0 ? scol_total : 1) * sizeof(float));
+  u->mbuf = malloc((size_t)nt * (size_t)u->max_period * sizeof(float));
+  if (!u->consts || !u->scol || !u->mbuf) {
+    update_free(u);
     return gefen_fail(err, GEFEN_ENOMEM, "Gefen step: out of memory");
   }
+  return GEFEN_OK;
+}
+
+/* The update on prepared scratch: cannot fail. */
+static void update_run(const gefen_block_ops *ops, const gefen_adam_item *items, int64_t n,
+                       const gefen_quantizer *q, int nt, const update_scratch *u) {
+  adam_consts *const consts = u->consts;
   int64_t off = 0;
   for (int64_t i = 0; i < n; i++) {
     make_consts(&items[i], &consts[i]);
     if (!items[i].vmean) {
-      consts[i].scol = scol + off;
+      consts[i].scol = u->scol + off;
       /* v_col is replicated: every rank updates it, even with no local rows */
-      if (items[i].global_rows > 0) factored_columns(&items[i], &consts[i], scol + off);
+      if (items[i].global_rows > 0) factored_columns(&items[i], &consts[i], u->scol + off);
       off += items[i].cols;
     }
   }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl.count > 1 && nt > 1)
-  for (int64_t w = 0; w < wl.count; w++) {
+  const gefen_work_list *wl = &u->wl;
+  const int64_t max_period = u->max_period;
+  float *const mbuf = u->mbuf;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl->count > 1 && nt > 1)
+  for (int64_t w = 0; w < wl->count; w++) {
 #ifdef _OPENMP
     float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)max_period;
 #else
     float *m = mbuf;
 #endif
-    const gefen_work *wk = &wl.items[w];
+    const gefen_work *wk = &wl->items[w];
     const gefen_adam_item *it = &items[wk->item];
     if (it->vmean)
       block_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
     else
       factored_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
   }
-  free(consts);
-  free(scol);
-  free(mbuf);
-  gefen_work_free(&wl);
+}
+
+/* The checks of a call that updates (the items, a quantiser) and its thread count. */
+static gefen_status begin_update(const gefen_adam_item *items, int64_t n,
+                                 const gefen_quantizer *q, int nthreads, int *nt,
+                                 gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
+  *nt = gefen_threads(nthreads);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                    int64_t n, const gefen_quantizer *q, int nthreads,
+                                    gefen_error *err) {
+  int nt = 1;
+  gefen_status st = begin_update(items, n, q, nthreads, &nt, err);
+  if (st != GEFEN_OK) return st;
+  update_scratch u;
+  st = update_prepare(items, n, nt, &u, err);
+  if (st != GEFEN_OK) return st;
+  update_run(ops, items, n, q, nt, &u);
+  update_free(&u);
   return GEFEN_OK;
 }
 
 gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
                                const gefen_quantizer *q, int nthreads,
                                gefen_error *err) {
+  gefen_status st = refuse_flag(items, n, "gefen_adam_update", err);
+  if (st != GEFEN_OK) return st;
   return gefen_adam_update_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
+}
+
+/* ------------------------------------------------------- the whole step */
+
+gefen_status gefen_adam_step_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                  int64_t n, const gefen_quantizer *q, int nthreads,
+                                  gefen_error *err) {
+  int nt = 1;
+  gefen_status st = begin_update(items, n, q, nthreads, &nt, err);
+  if (st != GEFEN_OK) return st;
+  /* every allocation of both phases before the first write */
+  stats_scratch s;
+  update_scratch u;
+  st = stats_prepare(items, n, q, nt, &s, err);
+  if (st != GEFEN_OK) return st;
+  st = update_prepare(items, n, nt, &u, err);
+  if (st != GEFEN_OK) {
+    stats_free(&s);
+    return st;
+  }
+  stats_run(ops, items, n, q, nt, &s);
+  stats_free(&s);
+  update_run(ops, items, n, q, nt, &u);
+  update_free(&u);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_step(const gefen_adam_item *items, int64_t n, const gefen_quantizer *q,
+                             int nthreads, gefen_error *err) {
+  return gefen_adam_step_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
 }

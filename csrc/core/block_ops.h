@@ -183,9 +183,14 @@ void gefen_requantize_stochastic(const gefen_quantizer *q, float *m, float mx,
                                  int64_t len, uint8_t *codes, uint64_t seed,
                                  int64_t global_base);
 
-/* gefen_adam_factored_stats_momentum and gefen_adam_update with the given
- * primitives instead of gefen_block_ops_for(q) (the tests run every version;
- * ops must suit q as gefen_block_ops_for would choose it). */
+/* The phases of gefen_adam_step one at a time, with the given primitives
+ * instead of gefen_block_ops_for(q) (the tests run every version; ops must
+ * suit q as gefen_block_ops_for would choose it). Unlike the public calls
+ * they take factored items with momentum_in_stats: phase 1 (q needed then)
+ * MUTATES their codes and magnitude, and the update must follow it exactly
+ * once, with the same quantiser; should it fail in between (GEFEN_ENOMEM),
+ * the state is left half-stepped. That is why the public API takes the flag
+ * only in gefen_adam_step, which allocates both phases' scratch first. */
 gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
                                             const gefen_adam_item *items, int64_t n,
                                             const gefen_quantizer *q, int nthreads,
@@ -193,5 +198,8 @@ gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
 gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
                                     int64_t n, const gefen_quantizer *q, int nthreads,
                                     gefen_error *err);
+gefen_status gefen_adam_step_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                  int64_t n, const gefen_quantizer *q, int nthreads,
+                                  gefen_error *err);
 
 #endif /* GEFEN_BLOCK_OPS_H */

@@ -230,8 +230,9 @@ typedef struct {
   int momentum_in_stats;   /* factored items: phase 1 also forms the momentum, its new
                             * block magnitudes and codes (writing codes and magnitude);
                             * phase 2 then decodes them instead of reading the gradient
-                            * again. CPU only: the CUDA launchers ignore it. Block items
-                            * ignore it. */
+                            * again. Only gefen_adam_step takes it (the two-phase calls
+                            * refuse it); CPU only: the CUDA launchers ignore it. Block
+                            * items ignore it. */
 } gefen_adam_item;
 
 /* Checks the sizes, pointers and hyper-parameters of items without touching
@@ -242,36 +243,37 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
 /* Factored phase 1 (items whose vmean is NULL; others are skipped): writes
  * col_stats[j] = sum over local rows of g_ij^2 (j < cols),
  * col_stats[cols] = sum over local rows of the new v_row_i, and
- * row_stats[i] = mean_j g_ij^2. For items without momentum_in_stats it reads
- * only and mutates no state. The caller then all-reduces col_stats over the
- * ranks that share the parameter. Items with momentum_in_stats need the
- * quantiser: use gefen_adam_factored_stats_momentum (this call refuses them). */
+ * row_stats[i] = mean_j g_ij^2. Reads only; mutates no state. The caller then
+ * all-reduces col_stats over the ranks that share the parameter. Refuses
+ * (GEFEN_EVALUE) factored items with momentum_in_stats: they take the whole
+ * step in one call (gefen_adam_step). */
 gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
                                        int nthreads, gefen_error *err);
 
-/* Factored phase 1 as gefen_adam_factored_stats (the same statistics, bit for
- * bit), and for the factored items with momentum_in_stats also §4 steps 4-6 in
- * the same pass over the gradient: the momentum from the stored codes and
- * magnitudes, its new block magnitudes and its requantisation (nearest, or
- * stochastic with the item's seed and global indices), written to codes and
- * magnitude. So for those items phase 1 MUTATES codes and magnitude, and
- * phase 2 (gefen_adam_update, with the same quantiser) must follow it exactly
- * once: it decodes C[code] * magnitude instead of reading the gradient, and
- * the step's results are bit for bit those of the items without the flag.
- * q may be NULL when no factored item has the flag. Fails (GEFEN_ENOMEM,
- * validation) before mutating anything. */
-gefen_status gefen_adam_factored_stats_momentum(const gefen_adam_item *items, int64_t n,
-                                                const gefen_quantizer *q, int nthreads,
-                                                gefen_error *err);
-
 /* The fused update of ALGORITHM.md §4 for every item (factored items need
- * their reduced phase-1 buffers; factored items with momentum_in_stats, the
- * codes and magnitudes their phase 1 wrote). Mutates param, codes, magnitude
- * and the second moments (with momentum_in_stats: param and the second
- * moments). */
+ * their reduced phase-1 buffers). Mutates param, codes, magnitude and the
+ * second moments. Refuses (GEFEN_EVALUE, before touching anything) factored
+ * items with momentum_in_stats, as gefen_adam_factored_stats does. */
 gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
                                const gefen_quantizer *q, int nthreads,
                                gefen_error *err);
+
+/* The whole step, both phases in one call, for items whose column sums need
+ * no reduction across ranks (every row of the parameter is local, or the
+ * caller wants the local rows' statistics alone): factored phase 1, then the
+ * update, bit for bit what gefen_adam_factored_stats followed by
+ * gefen_adam_update give. Factored items with momentum_in_stats form their
+ * momentum, block magnitudes and codes in phase 1, while the gradient's rows
+ * are in cache, and phase 2 decodes C[code] * magnitude instead of reading
+ * the gradient again (CPU only; the CUDA launchers ignore the flag). Checks
+ * every item and allocates every scratch buffer of both phases before the
+ * first write: on failure (GEFEN_EVALUE, GEFEN_ENOMEM, ...) nothing has
+ * changed; after the first write nothing can fail. (momentum_in_stats moves
+ * 15 instead of 18 bytes per parameter but adds a decoding pass; where the
+ * step is compute-bound, as on the 2-core machine of docs/performance.md, it
+ * is 2-9% slower, so the Python layer leaves it off.) */
+gefen_status gefen_adam_step(const gefen_adam_item *items, int64_t n,
+                             const gefen_quantizer *q, int nthreads, gefen_error *err);
 
 /* --------------------------------------------- GefenMuon momentum (§7) */
 

@@ -1,4 +1,4 @@
-/* C tests of the whole Gefen step (gefen_adam_factored_stats* and
+/* C tests of the whole Gefen step (gefen_adam_step, gefen_adam_factored_stats and
  * gefen_adam_update), above the block primitives that test_kernels.c checks:
  *
  * - momentum_in_stats (phase 1 forms the momentum, magnitudes and codes;
@@ -10,9 +10,13 @@
  *   rows), NaN payloads, infinities, subnormals and +-0 in the gradient and
  *   parameters, codebooks with repeated, -0/+0, subnormal and tightly packed
  *   entries, nearest and stochastic rounding, over several steps;
- * - its contract: without the flag phase 1 mutates no state; with it phase 1
- *   writes codes and magnitude (only), block items ignore it, and the call
- *   without a quantiser refuses it before touching anything. */
+ *   the flagged runs alternate between gefen_adam_step (the whole step in
+ *   one call) and the two internal phases;
+ * - the contract: without the flag phase 1 mutates no state; the public
+ *   two-phase calls and any call without a quantiser refuse the flag before
+ *   touching anything; block items ignore it; gefen_adam_step fails (an
+ *   invalid item, an injected out-of-memory in the update's scratch) before
+ *   its first write, and otherwise gives the plain two phases' bits. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -331,14 +335,21 @@ static gefen_adam_item make_item(const pstate *s, int64_t step, int stochastic, 
 
 enum { MAX_ITEMS = 4 };
 
-/* One step of every state: phase 1 (with q when flagged, else the call without
- * a quantiser), then the update. */
+/* One step of every state. Without the flag: phase 1 (no quantiser), then
+ * the update. With it: the whole step in one call (gefen_adam_step) on odd
+ * steps, the two internal phases (phase 1 with q) on even ones. */
 static int run_step(const gefen_block_ops *ops, pstate *st, int n, const gefen_quantizer *q,
                     int64_t step, int stochastic, int flag, int nthreads) {
   gefen_adam_item items[MAX_ITEMS];
   for (int i = 0; i < n; i++) items[i] = make_item(&st[i], step, stochastic, flag);
   gefen_error err;
-  gefen_status s = gefen_adam_factored_stats_with(ops, items, n, flag ? q : NULL, nthreads, &err);
+  gefen_status s;
+  if (flag && step % 2) {
+    s = gefen_adam_step_with(ops, items, n, q, nthreads, &err);
+    CHECK(s == GEFEN_OK, "step: %s", err.msg);
+    return s == GEFEN_OK ? 0 : -1;
+  }
+  s = gefen_adam_factored_stats_with(ops, items, n, flag ? q : NULL, nthreads, &err);
   CHECK(s == GEFEN_OK, "phase 1: %s", err.msg);
   if (s != GEFEN_OK) return -1;
   s = gefen_adam_update_with(ops, items, n, q, nthreads, &err);
@@ -485,6 +496,15 @@ static void test_equivalence(void) {
 
 /* -------------------------------------------------------------- contract */
 
+/* Every buffer of s equal to before's (bitwise). */
+#define UNCHANGED(s, before, what)                                  \
+  do {                                                              \
+    for (int i_ = 0; i_ < 2; i_++) {                                \
+      const char *d_ = ps_diff(&(s)[i_], &(before)[i_]);            \
+      CHECK(!d_, "%s: item %d: %s changed", what, i_, d_ ? d_ : ""); \
+    }                                                               \
+  } while (0)
+
 static void test_contract(void) {
   float c[256];
   make_codebook(CB_LEARNED, c);
@@ -497,7 +517,7 @@ static void test_contract(void) {
   init_state(&s[1], GEFEN_BF16, 5, 32, 8, 0, 0, 0); /* block: ignores the flag */
   for (int step = 1; step <= 2; step++) {
     for (int i = 0; i < 2; i++) new_grad(&s[i], 0);
-    /* run a whole step first so that codes and magnitudes are not zero */
+    /* run whole steps first so that codes and magnitudes are not zero */
     CHECK(run_step(&gefen_block_ops_scalar, s, 2, q, step, 0, 1, 2) == 0, "step");
   }
   for (int i = 0; i < 2; i++) {
@@ -514,37 +534,64 @@ static void test_contract(void) {
             memcmp(s[0].v_row, before[0].v_row, 7 * 4) == 0 &&
             memcmp(s[0].v_col, before[0].v_col, 48 * 4) == 0,
         "phase 1 without momentum_in_stats mutated state");
-  CHECK(gefen_adam_factored_stats_momentum(items, 2, NULL, 2, &err) == GEFEN_OK,
-        "no flag, no quantiser needed: %s", err.msg);
-  /* the call without a quantiser refuses a flagged factored item, touching nothing */
+  for (int i = 0; i < 2; i++) ps_copy(&s[i], &before[i]);
+  /* the public two-phase calls refuse a flagged factored item, touching nothing */
   items[0].momentum_in_stats = 1;
-  s[0].col_stats[0] = 12345.0;
+  s[0].col_stats[0] = before[0].col_stats[0] = 12345.0;
   CHECK(gefen_adam_factored_stats(items, 2, 2, &err) == GEFEN_EVALUE && err.item == 0 &&
-            strstr(err.msg, "momentum_in_stats"),
-        "phase 1 without a quantiser must refuse momentum_in_stats (%s)", err.msg);
-  CHECK(gefen_adam_factored_stats_momentum(items, 2, NULL, 2, &err) == GEFEN_EVALUE,
+            strstr(err.msg, "gefen_adam_step"),
+        "gefen_adam_factored_stats must refuse momentum_in_stats (%s)", err.msg);
+  CHECK(gefen_adam_update(items, 2, q, 2, &err) == GEFEN_EVALUE && err.item == 0 &&
+            strstr(err.msg, "gefen_adam_step"),
+        "gefen_adam_update must refuse momentum_in_stats (%s)", err.msg);
+  /* the internal phase 1 without a quantiser refuses it too */
+  CHECK(gefen_adam_factored_stats_with(&gefen_block_ops_scalar, items, 2, NULL, 2, &err) ==
+            GEFEN_EVALUE,
         "a NULL quantiser with momentum_in_stats");
-  CHECK(s[0].col_stats[0] == 12345.0 && memcmp(s[0].codes, before[0].codes, 7 * 48) == 0,
-        "a refused phase 1 touched something");
-  /* a flagged block item alone: no quantiser needed, nothing mutated */
+  CHECK(gefen_adam_step(items, 2, NULL, 2, &err) == GEFEN_EVALUE, "gefen_adam_step without q");
+  UNCHANGED(s, before, "a refused call");
+  /* a flagged block item: accepted by the two phases, which ignore the flag */
   items[0].momentum_in_stats = 0;
   items[1].momentum_in_stats = 1;
-  CHECK(gefen_adam_factored_stats(&items[1], 1, 2, &err) == GEFEN_OK, "%s", err.msg);
+  CHECK(gefen_adam_factored_stats(items, 2, 2, &err) == GEFEN_OK, "%s", err.msg);
   CHECK(memcmp(s[1].codes, before[1].codes, 5 * 32) == 0, "a block item's phase 1");
-  /* with the flag, phase 1 writes codes and magnitude, and nothing else of the state */
+  for (int i = 0; i < 2; i++) ps_copy(&s[i], &before[i]);
+  /* a later item that fails validation: the step fails before touching the
+   * flagged one */
   items[0].momentum_in_stats = 1;
-  CHECK(gefen_adam_factored_stats_momentum(items, 2, q, 2, &err) == GEFEN_OK, "%s", err.msg);
-  CHECK(memcmp(s[0].codes, before[0].codes, 7 * 48) != 0 &&
-            memcmp(s[0].magnitude, before[0].magnitude, 7 * 3 * 4) != 0,
-        "phase 1 with momentum_in_stats must write codes and magnitude");
-  CHECK(memcmp(s[0].param, before[0].param, 7 * 48 * 4) == 0 &&
-            memcmp(s[0].v_row, before[0].v_row, 7 * 4) == 0 &&
-            memcmp(s[0].v_col, before[0].v_col, 48 * 4) == 0 &&
-            memcmp(s[1].codes, before[1].codes, 5 * 32) == 0 &&
-            memcmp(s[1].param, before[1].param, 5 * 32 * 2) == 0,
-        "phase 1 with momentum_in_stats wrote more than codes and magnitude");
-  /* and the update then finishes the step as the plain one does */
-  CHECK(gefen_adam_update(items, 2, q, 2, &err) == GEFEN_OK, "%s", err.msg);
+  items[1].beta2 = 1.5;
+  CHECK(gefen_adam_step(items, 2, q, 2, &err) == GEFEN_EVALUE && err.item == 1,
+        "an invalid item must fail the step (%s)", err.msg);
+  UNCHANGED(s, before, "a step that failed validation");
+  items[1].beta2 = 0.999;
+  /* injected out-of-memory in the update's scratch (after phase 1's scratch
+   * is allocated): an empty factored item whose column factors cannot be
+   * allocated. The step must fail before its first write: the flagged item's
+   * codes and magnitudes (written by phase 1) are as they were. */
+  {
+    double big_stats[2] = {-1.0, -1.0};
+    float big_v[1] = {-1.0f};
+    gefen_adam_item three[3] = {items[0], items[1], items[0]};
+    gefen_adam_item *huge = &three[2];
+    huge->rows = 0;
+    huge->cols = huge->period = (int64_t)1 << 60; /* 4 EiB of column factors */
+    huge->row_offset = huge->global_rows = 0;
+    huge->param = NULL;
+    huge->grad = NULL;
+    huge->codes = NULL;
+    huge->magnitude = NULL;
+    huge->v_row = huge->v_col = big_v;
+    huge->col_stats = big_stats;
+    huge->row_stats = NULL;
+    const gefen_status st = gefen_adam_step(three, 3, q, 2, &err);
+    CHECK(st == GEFEN_ENOMEM && strstr(err.msg, "out of memory"),
+          "an impossible scratch must fail the step with GEFEN_ENOMEM (status %d: %s)", (int)st,
+          err.msg);
+    UNCHANGED(s, before, "a step that ran out of memory");
+    CHECK(big_stats[0] == -1.0 && big_v[0] == -1.0f, "the failed item's buffers were written");
+  }
+  /* the step: the flagged item's state as the plain two phases give it */
+  CHECK(gefen_adam_step(items, 2, q, 2, &err) == GEFEN_OK, "%s", err.msg);
   for (int i = 0; i < 2; i++) items[i] = make_item(&before[i], 3, 0, 0);
   CHECK(gefen_adam_factored_stats(items, 2, 1, &err) == GEFEN_OK, "%s", err.msg);
   CHECK(gefen_adam_update(items, 2, q, 1, &err) == GEFEN_OK, "%s", err.msg);
