@@ -271,7 +271,7 @@ gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
  * changed; after the first write nothing can fail. (momentum_in_stats moves
  * 15 instead of 18 bytes per parameter but adds a decoding pass; where the
  * step is compute-bound, as on the 2-core machine of docs/performance.md, it
- * is 2-9% slower, so the Python layer leaves it off.) */
+ * is 1-5% slower with two threads, so the Python layer leaves it off.) */
 gefen_status gefen_adam_step(const gefen_adam_item *items, int64_t n,
                              const gefen_quantizer *q, int nthreads, gefen_error *err);
 
