@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "gefen_core.h"
+#include "block_ops.h" /* the phases of gefen_adam_step one at a time */
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -234,6 +235,39 @@ int main(int argc, char **argv) {
         if (factored) report("factored: statistics phase", t_a, steps);
         report(factored ? "factored: update phase" : "block: update", t_b, steps);
         if (factored) report("factored: whole step", t_c, steps);
+      }
+      {
+        /* the factored step with momentum_in_stats: its two phases timed apart
+         * (the internal calls), then the whole step in one call (gefen_adam_step) */
+        const gefen_block_ops *ops = gefen_block_ops_for(q);
+        gefen_adam_item it[N_TENSORS];
+        double *t_d = malloc(sizeof(double) * (size_t)steps);
+        for (int r = 0; r < steps + 2; r++) {
+          adam_items(&s, 1, r + 1, it);
+          for (int t = 0; t < N_TENSORS; t++) it[t].momentum_in_stats = 1;
+          double t0 = now();
+          gefen_status st = gefen_adam_factored_stats_with(ops, it, N_TENSORS, q, nt, &err);
+          double t1 = now();
+          if (st == GEFEN_OK) st = gefen_adam_update_with(ops, it, N_TENSORS, q, nt, &err);
+          double t2 = now();
+          if (st == GEFEN_OK) st = gefen_adam_step(it, N_TENSORS, q, nt, &err);
+          double t3 = now();
+          if (st != GEFEN_OK) {
+            fprintf(stderr, "step failed: %s\n", err.msg);
+            return 1;
+          }
+          if (r >= 2) {
+            t_a[r - 2] = t1 - t0;
+            t_b[r - 2] = t2 - t1;
+            t_c[r - 2] = t2 - t0;
+            t_d[r - 2] = t3 - t2;
+          }
+        }
+        report("momentum_in_stats: statistics+momentum", t_a, steps);
+        report("momentum_in_stats: decode+apply", t_b, steps);
+        report("momentum_in_stats: both phases", t_c, steps);
+        report("gefen_adam_step (one call)", t_d, steps);
+        free(t_d);
       }
       gefen_muon_item mi[2];
       for (int t = 0; t < 2; t++)

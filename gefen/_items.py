@@ -43,6 +43,10 @@ class AdamItem:
     weight_decay: float
     stochastic_round: bool
     seed: int  # the optimizer's global step before this step
+    #: Factored items run through ``AdamStep.step()`` (CPU, no column sums to reduce): form
+    #: the momentum and codes in the statistics pass, while the gradient's rows are in cache
+    #: (the two-phase ``factored_stats()``/``update()`` refuse it; CUDA ignores it).
+    momentum_in_stats: bool = False
 
 
 @dataclass(slots=True)

@@ -19,6 +19,16 @@ from ._views import ParamView, local, make_replicated, make_row_state
 
 __all__ = ["Gefen"]
 
+#: Internal (tests, benchmarks): CPU parameters whose column sums need no all-reduce (not
+#: row-sharded) take the whole step in one ``AdamStep.step()`` call; False sends them
+#: through ``factored_stats()`` then ``update()`` as sharded and CUDA parameters go.
+_WHOLE_CPU_STEP = True
+#: Internal (tests, benchmarks): in that call, factored parameters form their momentum and
+#: codes in the statistics pass (``momentum_in_stats``) instead of reading the gradient
+#: again. The bits are the same; it is off because it is slower on the 2-core machine the
+#: project is measured on (docs/performance.md, "Levers tried").
+_MOMENTUM_IN_STATS = False
+
 
 def check_adam_hparams(lr, betas, eps, weight_decay) -> None:
     """The hyper-parameter rules of ALGORITHM.md §1 (ValueError on violation)."""
@@ -180,13 +190,17 @@ class Gefen(_QuantizedOptimizer):
     # ------------------------------------------------------------ update
 
     def _prepare_update(self, plan: StepPlan) -> None:
-        """One validated ``_C.AdamStep`` per device, the flat buffers of the factored
-        column sums (one per shard group, reduced between the phases), and the
-        (parameter, contiguous copy) pairs to write back for non-contiguous parameters."""
+        """Validated ``_C.AdamStep`` plans per device: one for the parameters that take
+        the two phases (row-sharded or CUDA: the factored column sums are reduced between
+        them) and one for the CPU parameters that take the whole step in one call
+        (``step()``, with ``momentum_in_stats``); the flat buffers of the factored column
+        sums (one per shard group), and the (parameter, contiguous copy) pairs to write back
+        for non-contiguous parameters."""
         items, copies = [], []
         seed = self._global_step
         buffers = {}
         reserved = []
+        wholes = []  # per item: taken by a whole-step plan (no reduction between the phases)
         hyper = {}  # id(group) -> the group's scalars, read once
         for v in plan.views:
             st = plan.state_of(self, v.key)
@@ -205,6 +219,7 @@ class Gefen(_QuantizedOptimizer):
                 copies.append((p, pc))
                 p = pc
             row_stats = col_key = None
+            whole = _WHOLE_CPU_STEP and p.device.type == "cpu" and not v.layout.sharded
             if st["factored"]:
                 row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=p.device)
                 buf = buffers.setdefault(p.device, ShardBuffers(p.device))
@@ -215,9 +230,11 @@ class Gefen(_QuantizedOptimizer):
                     magnitude=local(st["magnitude"]), vmean=local(st.get("vmean")),
                     v_row=local(st.get("v_row")), v_col=local(st.get("v_col")),
                     col_stats=None, row_stats=row_stats, period=st["period"],
-                    row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1, seed=seed, **h,
+                    row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1, seed=seed,
+                    momentum_in_stats=whole and _MOMENTUM_IN_STATS, **h,
                 )
             )
+            wholes.append(whole)
             reserved.append(col_key)
         for buf in buffers.values():
             buf.allocate()
@@ -225,14 +242,19 @@ class Gefen(_QuantizedOptimizer):
             if key is not None:
                 buf, k, off = key
                 item.col_stats = buf.view(k, off, item.v_col.numel() + 1)
-        steps = [
-            (device, _C.AdamStep(group))
-            for device, group in group_by_device(items, lambda it: it.param.device).items()
-        ]
-        plan.payload = (steps, list(buffers.values()), copies)
+        steps, whole = [], []
+        is_whole = {id(it): w for it, w in zip(items, wholes)}
+        for device, group in group_by_device(items, lambda it: it.param.device).items():
+            phased = [it for it in group if not is_whole[id(it)]]
+            one_call = [it for it in group if is_whole[id(it)]]
+            if phased:
+                steps.append((device, _C.AdamStep(phased)))
+            if one_call:
+                whole.append((device, _C.AdamStep(one_call)))
+        plan.payload = (steps, whole, list(buffers.values()), copies)
 
     def _run_update(self, plan: StepPlan) -> None:
-        steps, buffers, copies = plan.payload
+        steps, whole, buffers, copies = plan.payload
         nt = self._nthreads()
         error = None
         try:
@@ -244,6 +266,10 @@ class Gefen(_QuantizedOptimizer):
             buf.reduce(self._comm, "factored", error)
         if error is not None:
             raise error
+        # the whole steps (no reduction needed) fail, if at all, before changing anything,
+        # as an update does; they come first so that a failure leaves every plan unapplied
+        for _device, step in whole:
+            step.step(plan.quantizer, nt)
         for device, step in steps:
             step.update(plan.quantizer, nt, stream_of(device), self._device_table(plan.quantizer, device))
         for p, pc in copies:

@@ -32,6 +32,9 @@ class _FailingUpdate:
     def update(self, *args):
         raise RuntimeError("simulated failure of the update")
 
+    def step(self, *args):  # the whole step of CPU parameters that are not row-sharded
+        raise RuntimeError("simulated failure of the update")
+
 
 def test_codebook_refresh_commits_only_with_a_successful_update(monkeypatch):
     model = _model()

@@ -4,7 +4,13 @@
  * (factored form) across all items of a call, so one parallel region serves a
  * whole parameter group. Each block is two passes: the first forms the new
  * momentum into a per-thread scratch and finds its magnitude, the second
- * requantises it and writes codes and parameters. */
+ * requantises it and writes codes and parameters.
+ *
+ * Factored items with momentum_in_stats move the momentum into phase 1, where
+ * the gradient is read anyway: phase 1 takes a few rows' statistics, then
+ * (the rows still in cache) their momentum, magnitudes and codes; phase 2
+ * decodes C[code] * magnitude and applies it, without reading the gradient.
+ * The kernels and their order of operations are the same, so are the bits. */
 #include <float.h>
 #include <stdlib.h>
 
@@ -67,13 +73,41 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
 
 /* ----------------------------------------------------- factored phase 1 */
 
-static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops *ops,
-                                int64_t r0, int64_t r1, double *colsum, double *vrow_sum) {
+/* momentum_in_stats: row r's momentum (§4 step 4), block magnitudes (5) and
+ * codes (6), exactly as factored_chunk forms them without the flag; the
+ * dequantised values are not formed (phase 2 decodes them). */
+static void momentum_row(const gefen_adam_item *it, const gefen_quantizer *q,
+                         const gefen_block_ops *ops, int64_t r, float *m) {
+  const int64_t P = it->period, cols = it->cols;
+  const float beta1 = (float)it->beta1, one_minus_beta1 = (float)(1.0 - it->beta1);
+  const gefen_sink codes_only = {.kind = GEFEN_SINK_CODES};
+  for (int64_t c0 = 0; c0 < cols; c0 += P) {
+    const int64_t base = r * cols + c0, b = base / P;
+    uint8_t *codes = it->codes + base;
+    const float mx = ops->adam_momentum(it->grad, it->dtype, base, codes, q, it->magnitude[b],
+                                        beta1, one_minus_beta1, P, m, NULL);
+    it->magnitude[b] = mx;
+    if (it->stochastic_round)
+      gefen_requantize_stochastic(q, m, mx, P, codes, it->seed, (it->row_offset + r) * cols + c0);
+    else
+      ops->requantize_apply(q, m, mx, P, codes, &codes_only);
+  }
+}
+
+/* Rows whose statistics are taken at once (row_stats adds them to the column
+ * sums row after row, so the grouping does not change a bit); with
+ * momentum_in_stats their momentum follows while they are in cache. */
+#define STATS_ROWS 8
+
+static void factored_stats_rows(const gefen_adam_item *it, const gefen_quantizer *q,
+                                const gefen_block_ops *ops, int64_t r0, int64_t r1,
+                                double *colsum, double *vrow_sum, float *m) {
   const int64_t cols = it->cols;
   const float b2 = (float)it->beta2, omb2 = (float)(1.0 - it->beta2);
-  double vsum = 0.0, sums[8];
-  for (int64_t r = r0; r < r1; r += 8) {
-    const int64_t n = r1 - r < 8 ? r1 - r : 8;
+  const int with_momentum = it->momentum_in_stats != 0;
+  double vsum = 0.0, sums[STATS_ROWS];
+  for (int64_t r = r0; r < r1; r += STATS_ROWS) {
+    const int64_t n = r1 - r < STATS_ROWS ? r1 - r : STATS_ROWS;
     ops->row_stats(it->grad, it->dtype, r * cols, cols, n, colsum, sums);
     for (int64_t i = 0; i < n; i++) {
       const double mean = sums[i] / (double)cols;
@@ -81,6 +115,8 @@ static void factored_stats_rows(const gefen_adam_item *it, const gefen_block_ops
       const float vr = b2 * it->v_row[r + i] + omb2 * (float)mean;
       vsum += vr;
     }
+    if (with_momentum)
+      for (int64_t i = 0; i < n; i++) momentum_row(it, q, ops, r + i, m);
   }
   *vrow_sum += vsum;
 }
@@ -96,57 +132,131 @@ static int64_t stats_chunks(const gefen_adam_item *it) {
   return c > 1 ? c : 1;
 }
 
-gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
-                                       int nthreads, gefen_error *err) {
-  gefen_status st = gefen_adam_validate(items, n, err);
-  if (st != GEFEN_OK) return st;
-  const int nt = gefen_threads(nthreads);
-  const gefen_block_ops *ops = gefen_block_ops_for(NULL);
-  /* one work entry per chunk; a chunk's partial sums live in `part` unless
-   * it is its item's only chunk, which sums straight into col_stats */
-  int64_t nwork = 0, npart = 0;
+static int momentum_in_stats(const gefen_adam_item *it) {
+  return !it->vmean && it->momentum_in_stats;
+}
+
+/* Phase 1's scratch, allocated before anything is written (stats_prepare)
+ * so that a step can hold both phases' scratch before its first mutation. */
+typedef struct {
+  int64_t nwork, max_period;
+  gefen_work *work; /* one entry per chunk */
+  double **dest;    /* its sums: into `part`, or its item's col_stats when it is the only chunk */
+  double *part;
+  float *mbuf;      /* momentum_in_stats: one momentum block per thread */
+} stats_scratch;
+
+static void stats_free(stats_scratch *s) {
+  free(s->work);
+  free(s->dest);
+  free(s->part);
+  free(s->mbuf);
+  memset(s, 0, sizeof *s);
+}
+
+/* Checks the quantiser of flagged items and allocates the scratch; writes
+ * nothing of the items. */
+static gefen_status stats_prepare(const gefen_adam_item *items, int64_t n,
+                                  const gefen_quantizer *q, int nt, stats_scratch *s,
+                                  gefen_error *err) {
+  memset(s, 0, sizeof *s);
+  int64_t npart = 0;
   for (int64_t i = 0; i < n; i++) {
-    if (items[i].vmean) continue;
-    memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
+    if (!momentum_in_stats(&items[i]) || stats_chunks(&items[i]) == 0) continue;
+    if (!q)
+      return gefen_fail_item(err, GEFEN_EVALUE, i,
+                             "momentum_in_stats needs the quantizer in phase 1 "
+                             "(gefen_adam_step)");
+    if (items[i].period > s->max_period) s->max_period = items[i].period;
+  }
+  for (int64_t i = 0; i < n; i++) {
     const int64_t c = stats_chunks(&items[i]);
-    nwork += c;
+    s->nwork += c;
     if (c > 1) npart += c * (items[i].cols + 1);
   }
-  if (nwork == 0) return GEFEN_OK;
-  gefen_work *work = malloc((size_t)nwork * sizeof *work);
-  double **dest = malloc((size_t)nwork * sizeof *dest);
-  double *part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
-  if (!work || !dest || !part) {
-    free(work);
-    free(dest);
-    free(part);
+  if (s->nwork == 0) return GEFEN_OK;
+  s->work = malloc((size_t)s->nwork * sizeof *s->work);
+  s->dest = malloc((size_t)s->nwork * sizeof *s->dest);
+  s->part = calloc((size_t)(npart > 0 ? npart : 1), sizeof(double));
+  if (s->max_period > 0) s->mbuf = malloc((size_t)nt * (size_t)s->max_period * sizeof(float));
+  if (!s->work || !s->dest || !s->part || (s->max_period > 0 && !s->mbuf)) {
+    stats_free(s);
     return gefen_fail(err, GEFEN_ENOMEM, "factored statistics: out of memory");
   }
   int64_t w = 0, off = 0;
   for (int64_t i = 0; i < n; i++) {
     const int64_t c = stats_chunks(&items[i]);
     for (int64_t k = 0; k < c; k++, w++) {
-      work[w].item = i;
-      work[w].begin = items[i].rows * k / c;
-      work[w].end = items[i].rows * (k + 1) / c;
-      dest[w] = c > 1 ? part + off + k * (items[i].cols + 1) : items[i].col_stats;
+      s->work[w].item = i;
+      s->work[w].begin = items[i].rows * k / c;
+      s->work[w].end = items[i].rows * (k + 1) / c;
+      s->dest[w] = c > 1 ? s->part + off + k * (items[i].cols + 1) : items[i].col_stats;
     }
     if (c > 1) off += c * (items[i].cols + 1);
   }
+  return GEFEN_OK;
+}
+
+/* Phase 1 on prepared scratch: cannot fail. */
+static void stats_run(const gefen_block_ops *ops, const gefen_adam_item *items, int64_t n,
+                      const gefen_quantizer *q, int nt, const stats_scratch *s) {
+  for (int64_t i = 0; i < n; i++)
+    if (!items[i].vmean) memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
+  const int64_t nwork = s->nwork, max_period = s->max_period;
+  if (nwork == 0) return;
+  float *const mbuf = s->mbuf;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nwork > 1 && nt > 1)
   for (int64_t k = 0; k < nwork; k++) {
-    const gefen_adam_item *it = &items[work[k].item];
-    factored_stats_rows(it, ops, work[k].begin, work[k].end, dest[k], dest[k] + it->cols);
+#ifdef _OPENMP
+    float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)max_period : NULL;
+#else
+    float *m = mbuf;
+#endif
+    const gefen_adam_item *it = &items[s->work[k].item];
+    factored_stats_rows(it, q, ops, s->work[k].begin, s->work[k].end, s->dest[k],
+                        s->dest[k] + it->cols, m);
   }
   for (int64_t k = 0; k < nwork; k++) {
-    const gefen_adam_item *it = &items[work[k].item];
-    if (dest[k] == it->col_stats) continue;
-    for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += dest[k][j];
+    const gefen_adam_item *it = &items[s->work[k].item];
+    if (s->dest[k] == it->col_stats) continue;
+    for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += s->dest[k][j];
   }
-  free(work);
-  free(dest);
-  free(part);
+}
+
+gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
+                                            const gefen_adam_item *items, int64_t n,
+                                            const gefen_quantizer *q, int nthreads,
+                                            gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  const int nt = gefen_threads(nthreads);
+  stats_scratch s;
+  st = stats_prepare(items, n, q, nt, &s, err);
+  if (st != GEFEN_OK) return st;
+  stats_run(ops, items, n, q, nt, &s);
+  stats_free(&s);
   return GEFEN_OK;
+}
+
+/* The public two-phase calls: not for items with momentum_in_stats. */
+static gefen_status refuse_flag(const gefen_adam_item *items, int64_t n, const char *call,
+                                gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  for (int64_t i = 0; i < n; i++)
+    if (momentum_in_stats(&items[i]))
+      return gefen_fail_item(err, GEFEN_EVALUE, i,
+                             "%s does not take momentum_in_stats (phase 1 would write codes "
+                             "and magnitudes): use gefen_adam_step", call);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
+                                       int nthreads, gefen_error *err) {
+  gefen_status st = refuse_flag(items, n, "gefen_adam_factored_stats", err);
+  if (st != GEFEN_OK) return st;
+  return gefen_adam_factored_stats_with(gefen_block_ops_for(NULL), items, n, NULL, nthreads,
+                                        err);
 }
 
 /* ------------------------------------------------------------- the update */
@@ -233,10 +343,20 @@ static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
                            int64_t r1, float *m) {
   const int64_t P = it->period, cols = it->cols;
   gefen_sink sink = adam_sink(it, k, GEFEN_SINK_ADAM_FACTORED);
+  const int decode = it->momentum_in_stats != 0;
   for (int64_t r = r0; r < r1; r++) {
     const float vr = k->beta2 * it->v_row[r] + k->one_minus_beta2 * (float)it->row_stats[r];
     it->v_row[r] = vr;
     sink.s = sqrtf(vr);
+    if (decode) { /* phase 1 wrote the new codes and magnitudes */
+      for (int64_t c0 = 0; c0 < cols; c0 += P) {
+        const int64_t base = r * cols + c0;
+        sink.base = base;
+        sink.scol = k->scol + c0;
+        ops->dequantize_apply(q, it->codes + base, it->magnitude[base / P], P, m, &sink);
+      }
+      continue;
+    }
     for (int64_t c0 = 0; c0 < cols; c0 += P) {
       const int64_t base = r * cols + c0, b = base / P;
       /* the block's sum of squares is not needed: sq = NULL */
@@ -263,62 +383,140 @@ static void adam_units(const void *items, int64_t i, int64_t *units,
   }
 }
 
-gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
-                               const gefen_quantizer *q, int nthreads,
-                               gefen_error *err) {
-  gefen_status st = gefen_adam_validate(items, n, err);
-  if (st != GEFEN_OK) return st;
-  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
-  const gefen_block_ops *ops = gefen_block_ops_for(q);
-  const int nt = gefen_threads(nthreads);
+/* The update's scratch: per-item constants, the factored column factors,
+ * one momentum block per thread, and the chunk list. */
+typedef struct {
+  int64_t max_period;
+  gefen_work_list wl;
+  adam_consts *consts;
+  float *scol, *mbuf;
+} update_scratch;
 
-  /* Sizes of the scratch: per-item constants, the factored column factors,
-   * one momentum block per thread, and the chunk list. */
-  int64_t scol_total = 0, max_period = 1;
+static void update_free(update_scratch *u) {
+  free(u->consts);
+  free(u->scol);
+  free(u->mbuf);
+  gefen_work_free(&u->wl);
+  memset(u, 0, sizeof *u);
+}
+
+/* Allocates the scratch; writes nothing of the items. */
+static gefen_status update_prepare(const gefen_adam_item *items, int64_t n, int nt,
+                                   update_scratch *u, gefen_error *err) {
+  memset(u, 0, sizeof *u);
+  int64_t scol_total = 0;
+  u->max_period = 1;
   for (int64_t i = 0; i < n; i++) {
     if (!items[i].vmean) scol_total += items[i].cols;
-    if (items[i].period > max_period) max_period = items[i].period;
+    /* the momentum blocks of items with elements (an empty item's period
+     * may be anything up to its column count) */
+    if (items[i].rows > 0 && items[i].cols > 0 && items[i].period > u->max_period)
+      u->max_period = items[i].period;
   }
-  gefen_work_list wl;
-  st = gefen_work_plan(&wl, items, n, adam_units, err);
+  gefen_status st = gefen_work_plan(&u->wl, items, n, adam_units, err);
   if (st != GEFEN_OK) return st;
-  adam_consts *consts = malloc((size_t)(n > 0 ? n : 1) * sizeof *consts);
-  float *scol = malloc((size_t)(scol_total > 0 ? scol_total : 1) * sizeof(float));
-  float *mbuf = malloc((size_t)nt * (size_t)max_period * sizeof(float));
-  if (!consts || !scol || !mbuf) {
-    free(consts);
-    free(scol);
-    free(mbuf);
-    gefen_work_free(&wl);
+  u->consts = malloc((size_t)(n > 0 ? n : 1) * sizeof *u->consts);
+  u->scol = malloc((size_t)(scol_total > 0 ? scol_total : 1) * sizeof(float));
+  u->mbuf = malloc((size_t)nt * (size_t)u->max_period * sizeof(float));
+  if (!u->consts || !u->scol || !u->mbuf) {
+    update_free(u);
     return gefen_fail(err, GEFEN_ENOMEM, "Gefen step: out of memory");
   }
+  return GEFEN_OK;
+}
+
+/* The update on prepared scratch: cannot fail. */
+static void update_run(const gefen_block_ops *ops, const gefen_adam_item *items, int64_t n,
+                       const gefen_quantizer *q, int nt, const update_scratch *u) {
+  adam_consts *const consts = u->consts;
   int64_t off = 0;
   for (int64_t i = 0; i < n; i++) {
     make_consts(&items[i], &consts[i]);
     if (!items[i].vmean) {
-      consts[i].scol = scol + off;
+      consts[i].scol = u->scol + off;
       /* v_col is replicated: every rank updates it, even with no local rows */
-      if (items[i].global_rows > 0) factored_columns(&items[i], &consts[i], scol + off);
+      if (items[i].global_rows > 0) factored_columns(&items[i], &consts[i], u->scol + off);
       off += items[i].cols;
     }
   }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl.count > 1 && nt > 1)
-  for (int64_t w = 0; w < wl.count; w++) {
+  const gefen_work_list *wl = &u->wl;
+  const int64_t max_period = u->max_period;
+  float *const mbuf = u->mbuf;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl->count > 1 && nt > 1)
+  for (int64_t w = 0; w < wl->count; w++) {
 #ifdef _OPENMP
     float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)max_period;
 #else
     float *m = mbuf;
 #endif
-    const gefen_work *wk = &wl.items[w];
+    const gefen_work *wk = &wl->items[w];
     const gefen_adam_item *it = &items[wk->item];
     if (it->vmean)
       block_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
     else
       factored_chunk(it, &consts[wk->item], q, ops, wk->begin, wk->end, m);
   }
-  free(consts);
-  free(scol);
-  free(mbuf);
-  gefen_work_free(&wl);
+}
+
+/* The checks of a call that updates (the items, a quantiser) and its thread count. */
+static gefen_status begin_update(const gefen_adam_item *items, int64_t n,
+                                 const gefen_quantizer *q, int nthreads, int *nt,
+                                 gefen_error *err) {
+  gefen_status st = gefen_adam_validate(items, n, err);
+  if (st != GEFEN_OK) return st;
+  if (!q) return gefen_fail(err, GEFEN_EVALUE, "quantizer is NULL");
+  *nt = gefen_threads(nthreads);
   return GEFEN_OK;
+}
+
+gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                    int64_t n, const gefen_quantizer *q, int nthreads,
+                                    gefen_error *err) {
+  int nt = 1;
+  gefen_status st = begin_update(items, n, q, nthreads, &nt, err);
+  if (st != GEFEN_OK) return st;
+  update_scratch u;
+  st = update_prepare(items, n, nt, &u, err);
+  if (st != GEFEN_OK) return st;
+  update_run(ops, items, n, q, nt, &u);
+  update_free(&u);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
+                               const gefen_quantizer *q, int nthreads,
+                               gefen_error *err) {
+  gefen_status st = refuse_flag(items, n, "gefen_adam_update", err);
+  if (st != GEFEN_OK) return st;
+  return gefen_adam_update_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
+}
+
+/* ------------------------------------------------------- the whole step */
+
+gefen_status gefen_adam_step_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                  int64_t n, const gefen_quantizer *q, int nthreads,
+                                  gefen_error *err) {
+  int nt = 1;
+  gefen_status st = begin_update(items, n, q, nthreads, &nt, err);
+  if (st != GEFEN_OK) return st;
+  /* every allocation of both phases before the first write */
+  stats_scratch s;
+  update_scratch u;
+  st = stats_prepare(items, n, q, nt, &s, err);
+  if (st != GEFEN_OK) return st;
+  st = update_prepare(items, n, nt, &u, err);
+  if (st != GEFEN_OK) {
+    stats_free(&s);
+    return st;
+  }
+  stats_run(ops, items, n, q, nt, &s);
+  stats_free(&s);
+  update_run(ops, items, n, q, nt, &u);
+  update_free(&u);
+  return GEFEN_OK;
+}
+
+gefen_status gefen_adam_step(const gefen_adam_item *items, int64_t n, const gefen_quantizer *q,
+                             int nthreads, gefen_error *err) {
+  return gefen_adam_step_with(gefen_block_ops_for(q), items, n, q, nthreads, err);
 }

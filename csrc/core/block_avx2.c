@@ -448,9 +448,16 @@ static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64
   gefen_requantize_apply_with(&ops_avx2, q, m, mx, len, codes, sink);
 }
 
+/* the portable decoding (the compiler vectorises its multiply), then the AVX2 apply */
+static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                             int64_t len, float *m, const gefen_sink *sink) {
+  gefen_dequantize_apply_with(&ops_avx2, q, codes, mag, len, m, sink);
+}
+
 static const gefen_block_ops ops_avx2 = {
-    adam_momentum, muon_momentum,  requantize,  requantize_apply,
+    adam_momentum, muon_momentum,  requantize,     requantize_apply,
     row_stats,     apply_block,    apply_factored, muon_output,
+    dequantize_apply,
 };
 
 static int cpu_has_avx2(void) {

@@ -57,8 +57,13 @@ INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4
     const __m512i code = _mm512_or_si512(_mm512_slli_epi32(_mm512_shuffle_epi8(rev4, lo), 4),
                                          _mm512_shuffle_epi8(rev4, hi));
     _mm512_mask_cvtepi32_storeu_epi8(codes + 16 * v, (__mmask16)(km >> (16 * v)), code);
-    out[v] = decode16(s->value_of_bits, bits[v]);
+    if (out) out[v] = decode16(s->value_of_bits, bits[v]);
   }
+}
+
+INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], uint8_t *codes,
+                          __mmask64 km) {
+  store_and_decode64(s, bits, codes, km, NULL);
 }
 
 #include "block_avx512_kernels.h"
@@ -175,7 +180,7 @@ TARGET void gefen_avx512_muon_output(void *out, gefen_dtype out_dt, const void *
 static const gefen_block_ops ops_avx512 = {
     adam_momentum,          muon_momentum,           requantize,
     requantize_apply,       gefen_avx512_row_stats,  gefen_avx512_apply_block,
-    gefen_avx512_apply_factored, gefen_avx512_muon_output,
+    gefen_avx512_apply_factored, gefen_avx512_muon_output, dequantize_apply,
 };
 
 static int cpu_has_avx512(void) {

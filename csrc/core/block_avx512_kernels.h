@@ -10,7 +10,8 @@
  *                                           the codes of the search's result
  *                                           bits[4] (the count's bits reversed,
  *                                           search64) stored at codes[0..64)
- *                                           (the lanes of km), and their values.
+ *                                           (the lanes of km), and their values;
+ *   store_codes64(s, bits, codes, km)       the same codes stored, no values.
  *
  * Nearest code: the code of u is the number of quantiser thresholds below u
  * (gefen_quant_search, quantizer_internal.h), found by an 8-level binary
@@ -24,8 +25,8 @@
  * sums, the dtype conversions of block_avx512_common.h) is that of the
  * portable primitives, so the results agree with them bit for bit.
  *
- * It defines the static functions adam_momentum, muon_momentum, requantize
- * and requantize_apply of gefen_block_ops. */
+ * It defines the static functions adam_momentum, muon_momentum, requantize,
+ * requantize_apply and dequantize_apply of gefen_block_ops. */
 
 /* Blocks at least this long search m with scaled thresholds (requantize_t). */
 #define SCALED_MIN_LEN 128
@@ -244,6 +245,8 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
       gefen_store16(sk->out, out_dt, at, o, k);
       break;
     }
+    case GEFEN_SINK_CODES: /* no values are formed (requantize64) */
+      break;
   }
 }
 
@@ -256,7 +259,8 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
                          float *m, __m512 vmx, const int mode, int64_t len, uint8_t *codes,
                          const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
                          const gefen_dtype out_dt, int64_t j, __mmask64 km) {
-  if (kind != GEFEN_SINK_M) gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
+  if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
+    gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
   __m512 u[4];
   __m512i bits[4];
   for (int v = 0; v < 4; v++) {
@@ -266,6 +270,10 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
                                     : _mm512_setzero_ps();
   }
   search64(levels, u, bits);
+  if (kind == GEFEN_SINK_CODES) { /* the codes alone: no decoding */
+    store_codes64(s, bits, codes + j, km);
+    return;
+  }
   __m512 c[4];
   store_and_decode64(s, bits, codes + j, km, c);
   for (int v = 0; v < 4; v++) {
@@ -318,7 +326,7 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
                                     uint8_t *codes, const gefen_sink *sk) {
   const gefen_sink_kind kind = sk->kind;
   const gefen_dtype out_dt = sk->out_dtype, dt = sk->dtype;
-  if ((kind != GEFEN_SINK_M && out_dt == GEFEN_F64) ||
+  if ((kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES && out_dt == GEFEN_F64) ||
       (kind == GEFEN_SINK_MUON && sk->nesterov && dt == GEFEN_F64)) {
     /* float64 parameters and gradients: the portable arithmetic */
     const gefen_sink to_m = {.kind = GEFEN_SINK_M};
@@ -337,6 +345,7 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
   }
   switch (kind) {
     case GEFEN_SINK_M: CALL(GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+    case GEFEN_SINK_CODES: CALL(GEFEN_SINK_CODES, GEFEN_F32, GEFEN_F32);
     case GEFEN_SINK_ADAM_BLOCK: BY_OUT(GEFEN_SINK_ADAM_BLOCK, GEFEN_F32)
     case GEFEN_SINK_ADAM_FACTORED: BY_OUT(GEFEN_SINK_ADAM_FACTORED, GEFEN_F32)
     case GEFEN_SINK_MUON:
@@ -363,3 +372,54 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
   requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
 }
 
+
+/* dequantize_apply: 64 codes at j (or the first ones of km) decoded, times
+ * mag, to the sink (an Adam sink; kind and out_dt are constants after
+ * inlining). mq = C[code] * mag is the product requantize64 forms. */
+INLINE void dequantize64(const gefen_quant_search *s, const uint8_t *codes, __m512 vmag,
+                         int64_t len, const gefen_sink *sk, const gefen_sink_kind kind,
+                         const gefen_dtype out_dt, int64_t j, __mmask64 km) {
+  gefen_prefetch(codes, 1, j + len, 64); /* the next block */
+  gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
+  __m512 c[4];
+  decode_codes64(s, codes + j, km, c);
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    if (k) sink16(sk, kind, GEFEN_F32, out_dt, NULL, j + 16 * v, _mm512_mul_ps(c[v], vmag), k);
+  }
+}
+
+INLINE void dequantize_t(const gefen_quantizer *q, const uint8_t *codes, float mag, int64_t len,
+                         const gefen_sink *sink, const gefen_sink_kind kind,
+                         const gefen_dtype out_dt) {
+  const gefen_quant_search *s = &q->search;
+  const gefen_sink sink_copy = *sink, *sk = &sink_copy; /* as in requantize_t */
+  const __m512 vmag = _mm512_set1_ps(mag);
+  int64_t j = 0;
+  for (; j + 64 <= len; j += 64) dequantize64(s, codes, vmag, len, sk, kind, out_dt, j, ~(__mmask64)0);
+  if (j < len) dequantize64(s, codes, vmag, len, sk, kind, out_dt, j, tail_mask64(len - j));
+}
+
+TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                                    int64_t len, float *m, const gefen_sink *sk) {
+  const gefen_sink_kind kind = sk->kind;
+  const gefen_dtype out_dt = sk->out_dtype;
+  if ((kind != GEFEN_SINK_ADAM_BLOCK && kind != GEFEN_SINK_ADAM_FACTORED) ||
+      out_dt == GEFEN_F64) { /* the portable decoding (float64 parameters: their arithmetic) */
+    gefen_dequantize_apply_with(gefen_block_ops_avx512(), q, codes, mag, len, m, sk);
+    return;
+  }
+#define CALL(KIND, ODT)                                 \
+  dequantize_t(q, codes, mag, len, sk, KIND, ODT); \
+  return
+#define BY_OUT(KIND)                         \
+  switch (out_dt) {                         \
+    case GEFEN_BF16: CALL(KIND, GEFEN_BF16); \
+    case GEFEN_F16: CALL(KIND, GEFEN_F16);   \
+    default: CALL(KIND, GEFEN_F32);          \
+  }
+  if (kind == GEFEN_SINK_ADAM_BLOCK) BY_OUT(GEFEN_SINK_ADAM_BLOCK)
+  BY_OUT(GEFEN_SINK_ADAM_FACTORED)
+#undef BY_OUT
+#undef CALL
+}

@@ -56,13 +56,23 @@ INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __
 /* The four count vectors (each lane 0..255, bits reversed) as 64 code bytes
  * in the transposed order of decode64: the unsigned-saturating packs
  * interleave 4-lane groups, which is exactly that order. */
-INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
-                               uint8_t *codes, __mmask64 km, __m512 out[4]) {
+INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
+                             uint8_t *codes, __mmask64 km) {
   const __m512i w01 = _mm512_packus_epi32(bits[0], bits[1]);
   const __m512i w23 = _mm512_packus_epi32(bits[2], bits[3]);
   const __m512i codes_t = lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
   _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
-  decode64(s, codes_t, out);
+  return codes_t;
+}
+
+INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
+                               uint8_t *codes, __mmask64 km, __m512 out[4]) {
+  decode64(s, store_codes_t(s, bits, codes, km), out);
+}
+
+INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], uint8_t *codes,
+                          __mmask64 km) {
+  (void)store_codes_t(s, bits, codes, km);
 }
 
 #include "block_avx512_kernels.h"
@@ -70,7 +80,7 @@ INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4
 static const gefen_block_ops ops_avx512vbmi = {
     adam_momentum,    muon_momentum,           requantize,
     requantize_apply, gefen_avx512_row_stats,  gefen_avx512_apply_block,
-    gefen_avx512_apply_factored, gefen_avx512_muon_output,
+    gefen_avx512_apply_factored, gefen_avx512_muon_output, dequantize_apply,
 };
 
 static int cpu_has_avx512vbmi(void) {

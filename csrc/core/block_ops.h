@@ -81,7 +81,8 @@ typedef enum {
   GEFEN_SINK_M,             /* back into m (requantize) */
   GEFEN_SINK_ADAM_BLOCK,    /* p = p * decay - lr * (mq * s) */
   GEFEN_SINK_ADAM_FACTORED, /* the same with s_j = inv_bc1 / (s * scol[j] + eps) */
-  GEFEN_SINK_MUON           /* out = beta * mq + (1 - beta) * g (nesterov) or mq */
+  GEFEN_SINK_MUON,          /* out = beta * mq + (1 - beta) * g (nesterov) or mq */
+  GEFEN_SINK_CODES          /* nowhere: only the codes are wanted (m may be overwritten) */
 } gefen_sink_kind;
 
 typedef struct {
@@ -136,6 +137,12 @@ typedef struct {
   void (*muon_output)(void *out, gefen_dtype out_dt, const void *grad, gefen_dtype dt,
                       int64_t base, const float *mq, int64_t len, float beta,
                       float one_minus_beta, int nesterov);
+  /* Sends mq = C[code] * mag of the codes codes[0..len) to the sink (an Adam
+   * sink): the same values, bit for bit, as the requantisation that wrote the
+   * codes with magnitude mag sends (C[code] * mx). m is a scratch of len
+   * floats (may be overwritten). */
+  void (*dequantize_apply)(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                           int64_t len, float *m, const gefen_sink *sink);
 } gefen_block_ops;
 
 /* The portable primitives (every dtype, every codebook). */
@@ -160,6 +167,11 @@ const gefen_block_ops *gefen_block_ops_avx2(void);
 void gefen_sink_apply(const gefen_block_ops *ops, const float *mq, int64_t len,
                       const gefen_sink *sink);
 
+/* dequantize_apply as a portable decoding into m followed by gefen_sink_apply. */
+void gefen_dequantize_apply_with(const gefen_block_ops *ops, const gefen_quantizer *q,
+                                 const uint8_t *codes, float mag, int64_t len, float *m,
+                                 const gefen_sink *sink);
+
 /* requantize_apply as ops->requantize followed by gefen_sink_apply. */
 void gefen_requantize_apply_with(const gefen_block_ops *ops, const gefen_quantizer *q,
                                  float *m, float mx, int64_t len, uint8_t *codes,
@@ -170,5 +182,24 @@ void gefen_requantize_apply_with(const gefen_block_ops *ops, const gefen_quantiz
 void gefen_requantize_stochastic(const gefen_quantizer *q, float *m, float mx,
                                  int64_t len, uint8_t *codes, uint64_t seed,
                                  int64_t global_base);
+
+/* The phases of gefen_adam_step one at a time, with the given primitives
+ * instead of gefen_block_ops_for(q) (the tests run every version; ops must
+ * suit q as gefen_block_ops_for would choose it). Unlike the public calls
+ * they take factored items with momentum_in_stats: phase 1 (q needed then)
+ * MUTATES their codes and magnitude, and the update must follow it exactly
+ * once, with the same quantiser; should it fail in between (GEFEN_ENOMEM),
+ * the state is left half-stepped. That is why the public API takes the flag
+ * only in gefen_adam_step, which allocates both phases' scratch first. */
+gefen_status gefen_adam_factored_stats_with(const gefen_block_ops *ops,
+                                            const gefen_adam_item *items, int64_t n,
+                                            const gefen_quantizer *q, int nthreads,
+                                            gefen_error *err);
+gefen_status gefen_adam_update_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                    int64_t n, const gefen_quantizer *q, int nthreads,
+                                    gefen_error *err);
+gefen_status gefen_adam_step_with(const gefen_block_ops *ops, const gefen_adam_item *items,
+                                  int64_t n, const gefen_quantizer *q, int nthreads,
+                                  gefen_error *err);
 
 #endif /* GEFEN_BLOCK_OPS_H */

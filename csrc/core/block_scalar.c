@@ -362,6 +362,7 @@ void gefen_sink_apply(const gefen_block_ops *ops, const float *mq, int64_t len,
                       const gefen_sink *sk) {
   switch (sk->kind) {
     case GEFEN_SINK_M:
+    case GEFEN_SINK_CODES:
       break;
     case GEFEN_SINK_ADAM_BLOCK:
       ops->apply_block(sk->out, sk->out_dtype, sk->base, mq, len, sk->s, sk->decay, sk->lr);
@@ -389,9 +390,25 @@ static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64
   gefen_requantize_apply_with(&gefen_block_ops_scalar, q, m, mx, len, codes, sink);
 }
 
+/* C[code] * mag: the product every requantisation forms for its dequantised
+ * value (codebook[code] * mx; sel_value holds codebook[code] bit for bit). */
+void gefen_dequantize_apply_with(const gefen_block_ops *ops, const gefen_quantizer *q,
+                                 const uint8_t *codes, float mag, int64_t len, float *m,
+                                 const gefen_sink *sink) {
+  const float *cb = q->table.codebook;
+  for (int64_t j = 0; j < len; j++) m[j] = cb[codes[j]] * mag;
+  gefen_sink_apply(ops, m, len, sink);
+}
+
+static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                             int64_t len, float *m, const gefen_sink *sink) {
+  gefen_dequantize_apply_with(&gefen_block_ops_scalar, q, codes, mag, len, m, sink);
+}
+
 const gefen_block_ops gefen_block_ops_scalar = {
-    adam_momentum, muon_momentum,  requantize,  requantize_apply,
+    adam_momentum, muon_momentum,  requantize,     requantize_apply,
     row_stats,     apply_block,    apply_factored, muon_output,
+    dequantize_apply,
 };
 
 /* ------------------------------------------------------------- dispatch */

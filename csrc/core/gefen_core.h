@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define GEFEN_CORE_VERSION 2
+#define GEFEN_CORE_VERSION 3
 
 #define GEFEN_CODEBOOK_SIZE 256   /* entries in a codebook, codes are uint8 */
 #define GEFEN_HIST_BINS 4096      /* histogram bins over [-1, 1] */
@@ -227,6 +227,12 @@ typedef struct {
   double lr, beta1, beta2, eps, weight_decay;
   int stochastic_round;    /* 0: nearest, 1: §6 with seed */
   uint64_t seed;           /* the global step before increment */
+  int momentum_in_stats;   /* factored items: phase 1 also forms the momentum, its new
+                            * block magnitudes and codes (writing codes and magnitude);
+                            * phase 2 then decodes them instead of reading the gradient
+                            * again. Only gefen_adam_step takes it (the two-phase calls
+                            * refuse it); CPU only: the CUDA launchers ignore it. Block
+                            * items ignore it. */
 } gefen_adam_item;
 
 /* Checks the sizes, pointers and hyper-parameters of items without touching
@@ -238,16 +244,36 @@ gefen_status gefen_adam_validate(const gefen_adam_item *items, int64_t n,
  * col_stats[j] = sum over local rows of g_ij^2 (j < cols),
  * col_stats[cols] = sum over local rows of the new v_row_i, and
  * row_stats[i] = mean_j g_ij^2. Reads only; mutates no state. The caller then
- * all-reduces col_stats over the ranks that share the parameter. */
+ * all-reduces col_stats over the ranks that share the parameter. Refuses
+ * (GEFEN_EVALUE) factored items with momentum_in_stats: they take the whole
+ * step in one call (gefen_adam_step). */
 gefen_status gefen_adam_factored_stats(const gefen_adam_item *items, int64_t n,
                                        int nthreads, gefen_error *err);
 
 /* The fused update of ALGORITHM.md §4 for every item (factored items need
  * their reduced phase-1 buffers). Mutates param, codes, magnitude and the
- * second moments. */
+ * second moments. Refuses (GEFEN_EVALUE, before touching anything) factored
+ * items with momentum_in_stats, as gefen_adam_factored_stats does. */
 gefen_status gefen_adam_update(const gefen_adam_item *items, int64_t n,
                                const gefen_quantizer *q, int nthreads,
                                gefen_error *err);
+
+/* The whole step, both phases in one call, for items whose column sums need
+ * no reduction across ranks (every row of the parameter is local, or the
+ * caller wants the local rows' statistics alone): factored phase 1, then the
+ * update, bit for bit what gefen_adam_factored_stats followed by
+ * gefen_adam_update give. Factored items with momentum_in_stats form their
+ * momentum, block magnitudes and codes in phase 1, while the gradient's rows
+ * are in cache, and phase 2 decodes C[code] * magnitude instead of reading
+ * the gradient again (CPU only; the CUDA launchers ignore the flag). Checks
+ * every item and allocates every scratch buffer of both phases before the
+ * first write: on failure (GEFEN_EVALUE, GEFEN_ENOMEM, ...) nothing has
+ * changed; after the first write nothing can fail. (momentum_in_stats moves
+ * 15 instead of 18 bytes per parameter but adds a decoding pass; where the
+ * step is compute-bound, as on the 2-core machine of docs/performance.md, it
+ * is 1-5% slower with two threads, so the Python layer leaves it off.) */
+gefen_status gefen_adam_step(const gefen_adam_item *items, int64_t n,
+                             const gefen_quantizer *q, int nthreads, gefen_error *err);
 
 /* --------------------------------------------- GefenMuon momentum (§7) */
 

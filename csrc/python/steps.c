@@ -374,7 +374,8 @@ static int parse_adam_item(PyObject *item, PyObject *refs, gefen_adam_item *it,
       item_double(item, "beta2", refs, K, *name, &it->beta2) ||
       item_double(item, "eps", refs, K, *name, &it->eps) ||
       item_double(item, "weight_decay", refs, K, *name, &it->weight_decay) ||
-      item_bool(item, "stochastic_round", refs, K, &it->stochastic_round))
+      item_bool(item, "stochastic_round", refs, K, &it->stochastic_round) ||
+      item_bool(item, "momentum_in_stats", refs, K, &it->momentum_in_stats))
     return -1;
   PyObject *seed_obj = item_field(item, "seed", refs, K);
   if (!seed_obj) return -1;
@@ -556,7 +557,7 @@ static PyObject *muon_step_new(PyTypeObject *type, PyObject *args, PyObject *kwa
   return plan_build(type, args, kwargs, sizeof(gefen_muon_item), parse_muon_any, 0);
 }
 
-typedef enum { PHASE_STATS, PHASE_UPDATE, PHASE_MOMENTUM } plan_phase;
+typedef enum { PHASE_STATS, PHASE_UPDATE, PHASE_MOMENTUM, PHASE_STEP } plan_phase;
 
 /* Runs one phase of a plan on its device: the core on the CPU, the kernels on CUDA. */
 static PyObject *plan_run(StepPlan *self, PyObject *args, PyObject *kwargs, plan_phase phase) {
@@ -570,12 +571,19 @@ static PyObject *plan_run(StepPlan *self, PyObject *args, PyObject *kwargs, plan
   gefen_error err;
   gefen_status st = GEFEN_OK;
   if (n == 0 || (phase == PHASE_STATS && !self->factored)) Py_RETURN_NONE;
+  if (phase == PHASE_STEP && self->device.device_type != kDLCPU) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "AdamStep.step() runs on the CPU only; on CUDA run factored_stats() then "
+                    "update()");
+    return NULL;
+  }
   if (self->device.device_type == kDLCPU) {
     const int nt = get_nthreads(opt.nthreads);
     Py_BEGIN_ALLOW_THREADS
     switch (phase) {
       case PHASE_STATS: st = gefen_adam_factored_stats(self->items, n, nt, &err); break;
       case PHASE_UPDATE: st = gefen_adam_update(self->items, n, q, nt, &err); break;
+      case PHASE_STEP: st = gefen_adam_step(self->items, n, q, nt, &err); break;
       default: st = gefen_muon_momentum(self->items, n, q, nt, &err); break;
     }
     Py_END_ALLOW_THREADS
@@ -619,6 +627,10 @@ static PyObject *adam_step_update(StepPlan *self, PyObject *args, PyObject *kwar
   return plan_run(self, args, kwargs, PHASE_UPDATE);
 }
 
+static PyObject *adam_step_step(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  return plan_run(self, args, kwargs, PHASE_STEP);
+}
+
 static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kwargs) {
   return plan_run(self, args, kwargs, PHASE_MOMENTUM);
 }
@@ -641,7 +653,17 @@ static PyMethodDef adam_step_methods[] = {
      "their col_stats, row means into row_stats); reads only. A no-op without factored items."},
     {"update", PLAN_KW(adam_step_update),
      "update(quantizer, nthreads=0, stream=None, device_table=None): the fused Gefen update of "
-     "every item (factored items need their reduced col_stats)"},
+     "every item (factored items need their reduced col_stats). Neither phase takes items with "
+     "momentum_in_stats: they run through step()."},
+    {"step", PLAN_KW(adam_step_step),
+     "step(quantizer, nthreads=0, stream=None, device_table=None): the whole step of every item "
+     "in one call (CPU only): the factored statistics, then the update, with nothing reduced "
+     "between them, so only for items whose column sums need no all-reduce (every row local). "
+     "Factored items with momentum_in_stats form their momentum and codes while their rows are "
+     "in cache and apply the decoded codes in the update, without reading the gradient twice; "
+     "the bits are those of factored_stats() then update(). Allocates everything before the "
+     "first write: when it raises, no item has changed. stream and device_table are accepted "
+     "for symmetry with update() and ignored."},
     {NULL, NULL, 0, NULL}};
 
 static PyMethodDef muon_step_methods[] = {
@@ -665,7 +687,8 @@ static PyType_Slot adam_step_slots[] = {
     {Py_tp_methods, adam_step_methods},
     {Py_tp_getset, adam_step_getset},
     {Py_tp_doc, (void *)"AdamStep(items): the validated Gefen step of one device (items: "
-                        "gefen._items.AdamItem); run factored_stats() then update()"},
+                        "gefen._items.AdamItem); run factored_stats() then update(), or step() on the CPU "
+                        "when no column sums need reducing"},
     {0, NULL}};
 
 static PyType_Slot muon_step_slots[] = {

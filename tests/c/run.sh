@@ -22,7 +22,7 @@ for test in "$root"/tests/c/test_*.c; do
   name=$(basename "$test" .c)
   "$cc" "${cflags[@]}" "$test" "${core[@]}" -o "$out/$name" -lm
   echo "== $name ($mode)"
-  if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/$name"; then
+  if ! ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 "$out/$name"; then
     echo "!! $name failed" >&2
     status=1
   fi
