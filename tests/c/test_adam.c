@@ -27,14 +27,6 @@
 
 #include "check.h"
 
-static float uniform(float lo, float hi) {
-  return lo + (hi - lo) * (float)((test_rng() >> 40) * (1.0 / 16777216.0));
-}
-static float normal(void) {
-  float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 1.0f);
-  return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
-}
-
 /* ---------------------------------------------------------------- codebooks */
 
 enum { CB_LEARNED, CB_PADDED, CB_ZEROS, CB_SUBNORMAL, CB_PACKED, N_CB };
@@ -275,7 +267,7 @@ static int pick_special(int specials, int in_grad) {
 static void new_grad(pstate *s, int specials) {
   const int64_t n = s->rows * s->cols;
   for (int64_t i = 0; i < n; i++)
-    put(s->grad, s->dt, i, normal() * ldexpf(1.0f, (int)(test_rng() % 25) - 12) * 0.01f);
+    put(s->grad, s->dt, i, test_normal() * ldexpf(1.0f, (int)(test_rng() % 25) - 12) * 0.01f);
   if (specials == SPECIAL_NONE || n == 0) return;
   const int64_t k = 1 + n / 97;
   for (int64_t t = 0; t < k; t++) {
@@ -284,7 +276,7 @@ static void new_grad(pstate *s, int specials) {
   }
   /* a row of tiny values (subnormal squares) and an all-zero block */
   const int64_t r = (int64_t)(test_rng() % (uint64_t)s->rows);
-  for (int64_t j = 0; j < s->cols; j++) put(s->grad, s->dt, r * s->cols + j, 1e-30f * normal());
+  for (int64_t j = 0; j < s->cols; j++) put(s->grad, s->dt, r * s->cols + j, 1e-30f * test_normal());
   const int64_t b = (int64_t)(test_rng() % (uint64_t)(n / s->period));
   for (int64_t j = 0; j < s->period; j++) put(s->grad, s->dt, b * s->period + j, 0.0f);
 }
@@ -300,7 +292,7 @@ static void init_state(pstate *s, gefen_dtype dt, int64_t rows, int64_t cols, in
   s->row_offset = row_offset;
   s->global_rows = row_offset + rows + extra_rows;
   ps_alloc(s);
-  for (int64_t i = 0; i < rows * cols; i++) put(s->param, dt, i, normal());
+  for (int64_t i = 0; i < rows * cols; i++) put(s->param, dt, i, test_normal());
 }
 
 static gefen_adam_item make_item(const pstate *s, int64_t step, int stochastic, int flag) {
@@ -357,22 +349,17 @@ static int run_step(const gefen_block_ops *ops, pstate *st, int n, const gefen_q
   return s == GEFEN_OK ? 0 : -1;
 }
 
-/* The primitives to test with q, as gefen_block_ops_for would allow them. */
+/* The primitives to test with q, as gefen_block_ops_for would allow them:
+ * the portable ones, then every SIMD version (AVX2 only with an exact table). */
 static int op_tables(const gefen_quantizer *q, const gefen_block_ops **ops, const char **names) {
-  int n = 0;
-  ops[n] = &gefen_block_ops_scalar;
-  names[n++] = "portable";
-  if (gefen_block_ops_avx512vbmi()) {
-    ops[n] = gefen_block_ops_avx512vbmi();
-    names[n++] = "avx512vbmi";
-  }
-  if (gefen_block_ops_avx512()) {
-    ops[n] = gefen_block_ops_avx512();
-    names[n++] = "avx512";
-  }
-  if (gefen_block_ops_avx2() && q->table.exact_lut) {
-    ops[n] = gefen_block_ops_avx2();
-    names[n++] = "avx2";
+  ops[0] = &gefen_block_ops_scalar;
+  names[0] = "portable";
+  const int ns = test_simd_tables(ops + 1, names + 1);
+  int n = 1;
+  for (int i = 1; i <= ns; i++) {
+    if (ops[i] == gefen_block_ops_avx2() && !q->table.exact_lut) continue;
+    ops[n] = ops[i];
+    names[n++] = names[i];
   }
   return n;
 }

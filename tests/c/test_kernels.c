@@ -19,32 +19,6 @@
 #include "check.h"
 
 static uint64_t rng(void) { return test_rng(); }
-static float uniform(float lo, float hi) {
-  return lo + (hi - lo) * (float)((rng() >> 40) * (1.0 / 16777216.0));
-}
-static float normal(void) {
-  float u = uniform(1e-7f, 1.0f), v = uniform(0.0f, 1.0f);
-  return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
-}
-
-/* The SIMD versions of the block primitives this CPU has, with their names. */
-static int simd_tables(const gefen_block_ops **ops, const char **names) {
-  int n = 0;
-  if (gefen_block_ops_avx512vbmi()) {
-    ops[n] = gefen_block_ops_avx512vbmi();
-    names[n++] = "avx512vbmi";
-  }
-  if (gefen_block_ops_avx512()) {
-    ops[n] = gefen_block_ops_avx512();
-    names[n++] = "avx512";
-  }
-  if (gefen_block_ops_avx2()) {
-    ops[n] = gefen_block_ops_avx2();
-    names[n++] = "avx2";
-  }
-  return n;
-}
-
 /* The rule of ALGORITHM.md §3 by a linear scan. */
 static uint8_t brute_nearest(const float *c, float u) {
   int r = 255;
@@ -99,7 +73,7 @@ static void probe_values(const float *c, float *out, int *n, int cap) {
     out[k++] = nextafterf(e, -2.0f);
     out[k++] = nextafterf(e, 2.0f);
   }
-  while (k < cap) out[k++] = uniform(-1.0f, 1.0f);
+  while (k < cap) out[k++] = test_uniform(-1.0f, 1.0f);
   out[0] = 0.0f;
   out[1] = -0.0f;
   out[2] = -1.0f;
@@ -165,7 +139,7 @@ static void test_quantizer_on(const float *c, int expect_exact) {
    * (the lookup-table ones only with an exact table) */
   const gefen_block_ops *simd[3];
   const char *names[3];
-  const int ns = simd_tables(simd, names);
+  const int ns = test_simd_tables(simd, names);
   for (int s = 0; s < ns; s++) {
     if (!expect_exact && simd[s] == gefen_block_ops_avx2()) continue; /* needs the table */
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
@@ -223,7 +197,7 @@ static void test_quantizer(void) {
 static void fill_grad(void *g, gefen_dtype dt, int64_t n, float scale) {
   for (int64_t i = 0; i < n; i++) {
     /* magnitudes over 2^-12..2^12, so that the order of a sum shows in its bits */
-    float v = normal() * scale * ldexpf(1.0f, (int)(rng() % 25) - 12);
+    float v = test_normal() * scale * ldexpf(1.0f, (int)(rng() % 25) - 12);
     switch (dt) {
       case GEFEN_F32: ((float *)g)[i] = v; break;
       case GEFEN_BF16: {
@@ -299,7 +273,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
       memcpy(pb, pa, esz * (size_t)len);
       for (int64_t j = 0; j < len; j++) {
         codes[j] = (uint8_t)(rng() & 0xff);
-        scol[j] = uniform(0.001f, 0.1f);
+        scol[j] = test_uniform(0.001f, 0.1f);
       }
       double sq1 = 0, sq2 = 0;
       float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f,
@@ -365,7 +339,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
 static void test_simd_blocks(void) {
   const gefen_block_ops *simd[3];
   const char *names[3];
-  const int n = simd_tables(simd, names);
+  const int n = test_simd_tables(simd, names);
   if (n == 0) printf("  (no SIMD primitives on this CPU: comparison skipped)\n");
   float c[256];
   learned_codebook(c, 3500);
@@ -400,9 +374,9 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
        * neighbours, with mx a power of two so that b * mx can be exact */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
-        m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : normal() * 0.01f;
-        scol[j] = uniform(0.001f, 0.1f);
-        g32[j] = normal();
+        m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : test_normal() * 0.01f;
+        scol[j] = test_uniform(0.001f, 0.1f);
+        g32[j] = test_normal();
         memcpy(&g16[j], (const char *)&g32[j] + 2, 2);
       }
       if (variant == 1)
@@ -474,7 +448,7 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
 static void test_requantize_apply(void) {
   const gefen_block_ops *simd[3];
   const char *names[3];
-  const int n = simd_tables(simd, names);
+  const int n = test_simd_tables(simd, names);
   float c[5][256];
   learned_codebook(c[0], 3500);
   subnormal_codebook(c[4]);
@@ -532,9 +506,9 @@ static void test_scaled_rule(void) {
       float mx;
       switch (trial % 4) {
         case 0: mx = ldexpf(1.0f, (int)(rng() % 250) - 125); break;
-        case 1: mx = uniform(0.5f, 1.0f) * ldexpf(1.0f, (int)(rng() % 250) - 124); break;
-        case 2: mx = uniform(0.0f, 1.0f) * 0x1p-126f + 0x1p-149f; break; /* subnormal */
-        default: mx = FLT_MAX * uniform(0.5f, 1.0f); break;
+        case 1: mx = test_uniform(0.5f, 1.0f) * ldexpf(1.0f, (int)(rng() % 250) - 124); break;
+        case 2: mx = test_uniform(0.0f, 1.0f) * 0x1p-126f + 0x1p-149f; break; /* subnormal */
+        default: mx = FLT_MAX * test_uniform(0.5f, 1.0f); break;
       }
       for (int e = 0; e < GEFEN_SEARCH_ENTRIES; e++) {
         const double bm = q->search.bound[e] * (double)mx;
