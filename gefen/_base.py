@@ -430,10 +430,7 @@ class _QuantizedOptimizer(Optimizer):
     def _validate_load(self, state_dict: dict[str, Any]) -> dict:
         """The load's pre-hooks and every local check (mutates nothing)."""
         state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = _checkpoint.run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         return _checkpoint.validate(self, state_dict)
 
     def _install_load(self, checked: dict) -> None:

@@ -156,12 +156,17 @@ def state_dict(opt) -> dict[str, Any]:
             index += 1
         packed["params"] = ids
         groups.append(packed)
-    sd = {"state": state, "param_groups": groups}
-    for hook in opt._optimizer_state_dict_post_hooks.values():
-        result = hook(opt, sd)
+    return run_hooks(opt._optimizer_state_dict_post_hooks, opt, {"state": state, "param_groups": groups})
+
+
+def run_hooks(hooks, opt, state_dict):
+    """Runs ``torch.optim``'s state-dict post-hooks or load pre-hooks in order: each is
+    called with ``(opt, state_dict)`` and a non-None result replaces the state dict."""
+    for hook in hooks.values():
+        result = hook(opt, state_dict)
         if result is not None:
-            sd = result
-    return sd
+            state_dict = result
+    return state_dict
 
 
 def update_state_counts(opt) -> None:

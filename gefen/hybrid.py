@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from . import _checkpoint
 from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
-from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, update_state_counts
+from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_param, check_plain_grads
 from .gefen import Gefen
@@ -395,12 +395,7 @@ class GefenMuonHybrid(Optimizer):
                 group["params"] = [offset + i for i in group["params"]]
                 groups.append(group)
             offset += sum(len(g["params"]) for g in child.param_groups)
-        state_dict = {"state": state, "param_groups": groups}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return run_hooks(self._optimizer_state_dict_post_hooks, self, {"state": state, "param_groups": groups})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict produced by :meth:`state_dict` (parameter ids may be any
@@ -413,10 +408,7 @@ class GefenMuonHybrid(Optimizer):
         from the saved groups, as ``torch.optim`` does.
         """
         state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         # every check of both halves first, one agreement for all ranks, then install
         loaded, error = [], None
         try:

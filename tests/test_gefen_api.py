@@ -684,3 +684,40 @@ def test_deterministic_is_a_documented_no_op():
         _train(model, opt, 3)
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda m: gefen.Gefen(m.parameters(), lr=1e-2), lambda m: gefen.GefenMuonHybrid(m, lr=1e-2)],
+    ids=["Gefen", "GefenMuonHybrid"],
+)
+def test_state_dict_hooks_follow_torch_optim(make):
+    """torch.optim's hook protocol: state_dict pre-hooks see the optimizer, post-hooks may
+    replace the returned dict; load pre-hooks may replace the dict being loaded, post-hooks
+    run after the load -- each in registration order."""
+    model = _model()
+    opt = make(model)
+    _train(model, opt, 2)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(("sd post 1", "marked" in sd)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "marked": True})
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(("sd post 3", sd.get("marked"))))
+    sd = opt.state_dict()
+    assert sd["marked"] is True
+    assert calls == [("sd pre", True), ("sd post 1", False), ("sd post 3", True)]
+
+    # a load pre-hook that swaps in another state dict: the swapped one is what loads
+    other_model = _model(seed=1)
+    other = make(other_model)
+    _train(other_model, other, 3, start=5)
+    wanted = other.state_dict()
+    calls.clear()
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load pre 1", "marked" in sd)))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: wanted)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o is opt)))
+    opt.load_state_dict(sd)
+    assert calls == [("load pre 1", True), ("load post", True)]
+    loaded = opt.state_dict()
+    loaded.pop("marked")
+    _assert_same_state(loaded, wanted)
