@@ -83,32 +83,40 @@ def main() -> None:
         report[kind] = {"losses": losses, "seconds": time.perf_counter() - t0, "state_devices": sorted(devices),
                         "param_devices": sorted(params_dev), "host_state_bytes": state,
                         "bytes_per_local_param": state / n_local}
-    # a checkpoint saved with offload resumes without it (and the state is the same)
+    # a checkpoint saved with offload resumes without it (and the state is the same), and
+    # back: the GPU-resident optimizer saved with dcp.async_save through a pinned-memory
+    # stager resumes with CPU offload
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    qkv = "blocks.0.attn.qkv.weight"
+
+    def saved_state(osd):
+        return {k: v.full_tensor().cpu() for k, v in osd["state"][qkv].items() if hasattr(v, "full_tensor")}
+
+    def resume(path, offload, saved, start, n):
+        """A fresh model and Gefen (with or without offload) loaded from path: whether
+        its state equals what was saved, where it lives, and n more steps' losses."""
+        model, opt = build("gefen", offload=offload)
+        gefen.dcp.prepare_load(opt, path)
+        msd, osd = get_state_dict(model, opt)
+        target = {"model": msd, "optim": osd}
+        dcp.load(target, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        st = opt.state[dict(model.named_parameters())[qkv]]
+        return model, opt, {
+            "same_state": all(torch.equal(st[k].full_tensor().cpu(), v) for k, v in saved.items() if k in st),
+            "state_device": str(st["codes"].to_local().device),
+            "continues": train(model, opt, start, n),
+        }
 
     path = os.path.join(a.out, f"offload_ckpt_{world}")
     model, opt = build("gefen", offload=True)
     train(model, opt, 0, 3)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    saved = {k: v.full_tensor().cpu() for k, v in osd["state"]["blocks.0.attn.qkv.weight"].items()
-             if hasattr(v, "full_tensor")}
-    model2, opt2 = build("gefen", offload=False)
-    gefen.dcp.prepare_load(opt2, path)
-    msd2, osd2 = get_state_dict(model2, opt2)
-    target = {"model": msd2, "optim": osd2}
-    dcp.load(target, checkpoint_id=path)
-    set_state_dict(model2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"])
-    st = opt2.state[dict(model2.named_parameters())["blocks.0.attn.qkv.weight"]]
-    report["offload_to_gpu_checkpoint"] = {
-        "same_state": all(torch.equal(st[k].full_tensor().cpu(), v) for k, v in saved.items() if k in st),
-        "state_device": str(st["codes"].to_local().device),
-        "continues": train(model2, opt2, 3, 2),
-    }
-    # and back: the GPU-resident optimizer saved with dcp.async_save through a pinned-memory
-    # stager, resumed with CPU offload
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    model2, opt2, report["offload_to_gpu_checkpoint"] = resume(path, False, saved_state(osd), 3, 2)
 
     path2 = os.path.join(a.out, f"gpu_ckpt_{world}")
     msd2, osd2 = get_state_dict(model2, opt2)
@@ -116,20 +124,7 @@ def main() -> None:
                                           use_async_staging=False, use_non_blocking_copy=False))
     res = dcp.async_save({"model": msd2, "optim": osd2}, checkpoint_id=path2, async_stager=stager)
     (getattr(res, "upload_completion", None) or res).result()
-    saved2 = {k: v.full_tensor().cpu() for k, v in osd2["state"]["blocks.0.attn.qkv.weight"].items()
-              if hasattr(v, "full_tensor")}
-    model3, opt3 = build("gefen", offload=True)
-    gefen.dcp.prepare_load(opt3, path2)
-    msd3, osd3 = get_state_dict(model3, opt3)
-    target3 = {"model": msd3, "optim": osd3}
-    dcp.load(target3, checkpoint_id=path2)
-    set_state_dict(model3, opt3, model_state_dict=target3["model"], optim_state_dict=target3["optim"])
-    st3 = opt3.state[dict(model3.named_parameters())["blocks.0.attn.qkv.weight"]]
-    report["gpu_to_offload_checkpoint_pinned_async"] = {
-        "same_state": all(torch.equal(st3[k].full_tensor().cpu(), v) for k, v in saved2.items() if k in st3),
-        "state_device": str(st3["codes"].to_local().device),
-        "continues": train(model3, opt3, 5, 2),
-    }
+    _, _, report["gpu_to_offload_checkpoint_pinned_async"] = resume(path2, True, saved_state(osd2), 5, 2)
     if rank == 0:
         with open(os.path.join(a.out, f"offload_{world}.json"), "w") as f:
             json.dump(report, f, indent=1)
