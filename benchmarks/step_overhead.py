@@ -6,6 +6,7 @@ C call and the rest of the step (Python: state lookup, item building, argument p
 in the extension).
 
     python benchmarks/step_overhead.py [--sizes 16M] [--dtypes fp32] [--steps 10]
+    python benchmarks/step_overhead.py --quick       # seconds
 """
 
 from __future__ import annotations
@@ -26,8 +27,27 @@ import torch  # noqa: E402
 from gefen import _ext  # noqa: E402
 
 
+class _TimedPlan:
+    """A step plan (``_C.AdamStep``, ``_C.MuonStep``) whose method calls are timed
+    under ``"<Plan>.<method>"``; attributes pass through."""
+
+    def __init__(self, timer, kind, plan):
+        self._timer, self._kind, self._plan = timer, kind, plan
+
+    def __getattr__(self, attr):
+        value = getattr(self._plan, attr)
+        if attr.startswith("_") or not callable(value):
+            return value
+        return self._timer._wrap(f"{self._kind}.{attr}", value)
+
+    def __len__(self):
+        return len(self._plan)
+
+
 class CallTimer:
-    """Replaces the functions of gefen._C with timed wrappers while active."""
+    """Replaces the functions of gefen._C with timed wrappers while active; the step
+    plans it builds (classes) return plans whose methods are timed too (the C work of a
+    step runs in their ``step``/``factored_stats``/``update``/``momentum``)."""
 
     def __init__(self):
         self.times = collections.defaultdict(float)
@@ -40,8 +60,16 @@ class CallTimer:
             if name.startswith("_") or not callable(fn):
                 continue
             self._saved[name] = fn
-            setattr(mod, name, self._wrap(name, fn))
+            setattr(mod, name, self._wrap_plan(name, fn) if name.endswith("Step")
+                    else self._wrap(name, fn))
         return self
+
+    def _wrap_plan(self, name, cls):
+        timed_new = self._wrap(name, cls)  # building the plan: validation, tensor checks
+
+        def build(*args, **kwargs):
+            return _TimedPlan(self, name, timed_new(*args, **kwargs))
+        return build
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):
@@ -81,8 +109,11 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", default="gefen,gefen-block")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="1M only, 3 timed steps, 1 warmup")
     C.add_common_args(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.steps, a.warmup = "1M", 3, 1
     C.set_threads(a.threads)
     C.print_header("gefen step: C core vs the rest",
                    {"sizes": a.sizes, "dtypes": a.dtypes, "optimizers": a.optimizers})
