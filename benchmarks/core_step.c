@@ -184,6 +184,43 @@ static void report(const char *what, double *v, int n) {
   printf("  %-34s median %8.3f  min %8.3f ms\n", what, md * 1e3, mn * 1e3);
 }
 
+/* Times `steps` Gefen steps (after two warm-up steps) of the set: the factored
+ * statistics (t_a), the update (t_b) and both (t_c), as the extension calls them;
+ * with momentum_in_stats the phases through the internal calls (the public ones
+ * refuse the flag) and, into t_d, the same step in one call (gefen_adam_step). */
+static int time_adam(const param_set *s, const gefen_quantizer *q, int nt, int factored,
+                     int in_stats, int steps, double *t_a, double *t_b, double *t_c,
+                     double *t_d) {
+  const gefen_block_ops *ops = gefen_block_ops_for(q);
+  gefen_adam_item it[N_TENSORS];
+  gefen_error err;
+  for (int r = 0; r < steps + 2; r++) {
+    adam_items(s, factored, r + 1, it);
+    for (int t = 0; t < N_TENSORS; t++) it[t].momentum_in_stats = in_stats;
+    double t0 = now();
+    gefen_status st = in_stats ? gefen_adam_factored_stats_with(ops, it, N_TENSORS, q, nt, &err)
+                               : gefen_adam_factored_stats(it, N_TENSORS, nt, &err);
+    double t1 = now();
+    if (st == GEFEN_OK)
+      st = in_stats ? gefen_adam_update_with(ops, it, N_TENSORS, q, nt, &err)
+                    : gefen_adam_update(it, N_TENSORS, q, nt, &err);
+    double t2 = now();
+    if (st == GEFEN_OK && t_d) st = gefen_adam_step(it, N_TENSORS, q, nt, &err);
+    double t3 = now();
+    if (st != GEFEN_OK) {
+      fprintf(stderr, "step failed: %s\n", err.msg);
+      return 1;
+    }
+    if (r >= 2) {
+      t_a[r - 2] = t1 - t0;
+      t_b[r - 2] = t2 - t1;
+      t_c[r - 2] = t2 - t0;
+      if (t_d) t_d[r - 2] = t3 - t2;
+    }
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   const int64_t d = argc > 1 ? atoll(argv[1]) : 2048;
   const int steps = argc > 2 ? atoi(argv[2]) : 10;
@@ -199,7 +236,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   double *t_a = malloc(sizeof(double) * (size_t)steps), *t_b = malloc(sizeof(double) * (size_t)steps),
-         *t_c = malloc(sizeof(double) * (size_t)steps);
+         *t_c = malloc(sizeof(double) * (size_t)steps), *t_d = malloc(sizeof(double) * (size_t)steps);
   const gefen_dtype dts[2] = {GEFEN_F32, GEFEN_BF16};
   for (int di = 0; di < 2; di++) {
     param_set s;
@@ -214,61 +251,16 @@ int main(int argc, char **argv) {
       }
       report("memory floor (same bytes, no math)", t_a, steps);
       for (int factored = 0; factored < 2; factored++) {
-        gefen_adam_item it[N_TENSORS];
-        for (int r = 0; r < steps + 2; r++) {
-          adam_items(&s, factored, r + 1, it);
-          double t0 = now();
-          gefen_status st = gefen_adam_factored_stats(it, N_TENSORS, nt, &err);
-          double t1 = now();
-          if (st == GEFEN_OK) st = gefen_adam_update(it, N_TENSORS, q, nt, &err);
-          double t2 = now();
-          if (st != GEFEN_OK) {
-            fprintf(stderr, "step failed: %s\n", err.msg);
-            return 1;
-          }
-          if (r >= 2) {
-            t_a[r - 2] = t1 - t0;
-            t_b[r - 2] = t2 - t1;
-            t_c[r - 2] = t2 - t0;
-          }
-        }
+        if (time_adam(&s, q, nt, factored, 0, steps, t_a, t_b, t_c, NULL) != 0) return 1;
         if (factored) report("factored: statistics phase", t_a, steps);
         report(factored ? "factored: update phase" : "block: update", t_b, steps);
         if (factored) report("factored: whole step", t_c, steps);
       }
-      {
-        /* the factored step with momentum_in_stats: its two phases timed apart
-         * (the internal calls), then the whole step in one call (gefen_adam_step) */
-        const gefen_block_ops *ops = gefen_block_ops_for(q);
-        gefen_adam_item it[N_TENSORS];
-        double *t_d = malloc(sizeof(double) * (size_t)steps);
-        for (int r = 0; r < steps + 2; r++) {
-          adam_items(&s, 1, r + 1, it);
-          for (int t = 0; t < N_TENSORS; t++) it[t].momentum_in_stats = 1;
-          double t0 = now();
-          gefen_status st = gefen_adam_factored_stats_with(ops, it, N_TENSORS, q, nt, &err);
-          double t1 = now();
-          if (st == GEFEN_OK) st = gefen_adam_update_with(ops, it, N_TENSORS, q, nt, &err);
-          double t2 = now();
-          if (st == GEFEN_OK) st = gefen_adam_step(it, N_TENSORS, q, nt, &err);
-          double t3 = now();
-          if (st != GEFEN_OK) {
-            fprintf(stderr, "step failed: %s\n", err.msg);
-            return 1;
-          }
-          if (r >= 2) {
-            t_a[r - 2] = t1 - t0;
-            t_b[r - 2] = t2 - t1;
-            t_c[r - 2] = t2 - t0;
-            t_d[r - 2] = t3 - t2;
-          }
-        }
-        report("momentum_in_stats: statistics+momentum", t_a, steps);
-        report("momentum_in_stats: decode+apply", t_b, steps);
-        report("momentum_in_stats: both phases", t_c, steps);
-        report("gefen_adam_step (one call)", t_d, steps);
-        free(t_d);
-      }
+      if (time_adam(&s, q, nt, 1, 1, steps, t_a, t_b, t_c, t_d) != 0) return 1;
+      report("momentum_in_stats: statistics+momentum", t_a, steps);
+      report("momentum_in_stats: decode+apply", t_b, steps);
+      report("momentum_in_stats: both phases", t_c, steps);
+      report("gefen_adam_step (one call)", t_d, steps);
       gefen_muon_item mi[2];
       for (int t = 0; t < 2; t++)
         mi[t] = (gefen_muon_item){.grad = s.grad[t], .codes = s.codes[t],
@@ -291,6 +283,7 @@ int main(int argc, char **argv) {
   free(t_a);
   free(t_b);
   free(t_c);
+  free(t_d);
   gefen_quantizer_destroy(q);
   return 0;
 }

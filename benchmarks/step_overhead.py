@@ -40,9 +40,6 @@ class _TimedPlan:
             return value
         return self._timer._wrap(f"{self._kind}.{attr}", value)
 
-    def __len__(self):
-        return len(self._plan)
-
 
 class CallTimer:
     """Replaces the functions of gefen._C with timed wrappers while active; the step
