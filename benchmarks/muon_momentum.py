@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """The momentum stage of Muon alone (no Newton-Schulz): torch.optim.Muon's fp32 momentum
 (`buf.lerp_(g, 1 - beta)` then the Nesterov blend `g.lerp(buf, beta)` into bf16) against
-GefenMuon's 8-bit momentum in C (`gefen._C.muon_momentum`: dequantise, update,
-requantise, write the bf16 Newton-Schulz input), on the 2-D matrices of an attention block.
+GefenMuon's 8-bit momentum in C (the `momentum()` of the step plan `gefen._C.MuonStep`
+that GefenMuon builds: dequantise, update, requantise, write the bf16 Newton-Schulz input),
+on the 2-D matrices of an attention block.
 
     python benchmarks/muon_momentum.py [--sizes 1M,16M,64M] [--steps 10]
+    python benchmarks/muon_momentum.py --quick          # 1M, 2 steps: seconds
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch  # noqa: E402
 
 import gefen  # noqa: E402
 from gefen import _C  # noqa: E402
+from gefen._items import MuonItem  # noqa: E402
 
 WIDTH = {"1M": 512, "16M": 2048, "64M": 4096}
 
@@ -55,23 +58,35 @@ def measure(size: str, beta: float, steps: int) -> tuple[int, float, float]:
     for q, g in zip(params, grads):
         q.grad = g
     opt.step()  # learns periods and the codebook
-    items = [(f"w{i}", g, opt.state[q]["codes"], opt.state[q]["magnitude"], out,
-              opt.state[q]["period"], beta, True)
+    items = [MuonItem(name=f"w{i}", grad=g, codes=opt.state[q]["codes"],
+                      magnitude=opt.state[q]["magnitude"], out=out,
+                      period=int(opt.state[q]["period"]), beta=beta, nesterov=True)
              for i, (q, g, out) in enumerate(zip(params, grads, outs))]
+    step = _C.MuonStep(items)  # validated once, as GefenMuon does per step and device
+    nthreads = torch.get_num_threads()
 
     def gefen_momentum():
-        _C.muon_momentum(items, opt._quantizer, torch.get_num_threads())
+        step.momentum(opt._quantizer, nthreads)
 
     n = sum(g.numel() for g in grads)
-    return n, median_ms(torch_momentum, steps), median_ms(gefen_momentum, steps)
+    t_torch = median_ms(torch_momentum, steps)
+    for out in outs:  # both write the same outputs: clear them, so that a call writing
+        out.zero_()  # nothing would show below
+    t_gefen = median_ms(gefen_momentum, steps)
+    if not all(bool(out.float().abs().sum() > 0) for out in outs):
+        raise RuntimeError("GefenMuon's momentum left its Newton-Schulz inputs zero")
+    return n, t_torch, t_gefen
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,16M,64M")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="1M only, 2 timed steps")
     C.add_common_args(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.steps = "1M", 2
     C.set_threads(a.threads)
     C.print_header("Muon momentum stage: torch fp32 vs GefenMuon 8-bit (no Newton-Schulz)",
                    {"sizes": a.sizes, "steps": a.steps})

@@ -138,3 +138,12 @@ def test_step_overhead_times_the_c_calls_of_a_step(tmp_path):
         parts = r["parts_ms"]
         assert r["step_ms"] > 0 and parts["AdamStep.step"] > 0 and parts["AdamStep"] > 0
         assert parts["AdamStep.step"] < r["step_ms"] and parts["(outside C)"] < r["step_ms"]
+
+
+def test_muon_momentum_runs_the_step_plan(tmp_path):
+    # GefenMuon's momentum runs through the _C.MuonStep plan; the benchmark called a
+    # function the extension no longer has until this test covered it
+    result = _run("muon_momentum.py", tmp_path=tmp_path)
+    (row,) = result["results"]
+    assert row["set"] == "1M" and row["params"] == 4 * 512 * 512
+    assert row["torch_ms"] > 0 and row["gefen_ms"] > 0
