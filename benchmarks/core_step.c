@@ -6,7 +6,9 @@
  * parameter read and written, codes read and written) and does nothing else.
  *
  *   bash benchmarks/core_breakdown.sh        (builds and runs this after the breakdown)
- *   core_step [d] [steps]                    (default d = 2048, the 16M set; 4096: 64M)
+ *   core_step [d] [steps] [dtypes]           (default d = 2048, the 16M set; 4096: 64M;
+ *                                             dtypes: a comma list of fp32, bf16, fp16,
+ *                                             default fp32,bf16)
  *   GEFEN_BENCH_HUGE=1 core_step ...         the same on transparent huge pages
  *
  * Each figure is the median and the minimum of `steps` steps (ms). */
@@ -20,6 +22,7 @@
 
 #include "gefen_core.h"
 #include "block_ops.h" /* the phases of gefen_adam_step one at a time */
+#include "core_internal.h" /* gefen_f32_to_f16 for the fp16 test data */
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -87,6 +90,8 @@ static void *alloc_big(size_t bytes) {
 static void store(void *p, gefen_dtype dt, int64_t i, float v) {
   if (dt == GEFEN_F32) {
     ((float *)p)[i] = v;
+  } else if (dt == GEFEN_F16) {
+    ((uint16_t *)p)[i] = gefen_f32_to_f16(v);
   } else { /* bfloat16: truncation is fine for test data */
     uint32_t b;
     memcpy(&b, &v, 4);
@@ -237,13 +242,19 @@ int main(int argc, char **argv) {
   }
   double *t_a = malloc(sizeof(double) * (size_t)steps), *t_b = malloc(sizeof(double) * (size_t)steps),
          *t_c = malloc(sizeof(double) * (size_t)steps), *t_d = malloc(sizeof(double) * (size_t)steps);
-  const gefen_dtype dts[2] = {GEFEN_F32, GEFEN_BF16};
-  for (int di = 0; di < 2; di++) {
+  const char *dtype_list = argc > 3 ? argv[3] : "fp32,bf16";
+  static const struct {
+    const char *name;
+    gefen_dtype dt;
+  } kinds[3] = {{"fp32", GEFEN_F32}, {"bf16", GEFEN_BF16}, {"fp16", GEFEN_F16}};
+  for (int di = 0; di < 3; di++) {
+    if (!strstr(dtype_list, kinds[di].name)) continue;
+    const gefen_dtype dt = kinds[di].dt;
     param_set s;
-    make_set(&s, d, dts[di]);
+    make_set(&s, d, dt);
     for (int nt = 1; nt <= 2; nt++) {
       printf("d=%lld (%lld parameters) %s, %d thread(s)\n", (long long)d, (long long)s.numel,
-             dts[di] == GEFEN_F32 ? "fp32" : "bf16", nt);
+             kinds[di].name, nt);
       for (int r = 0; r < steps + 2; r++) {
         double t0 = now();
         floor_pass(&s, nt);

@@ -8,6 +8,9 @@ Parameter sets (one transformer attention block of width d: fused qkv (3d, d), o
 projection (d, d), LayerNorm weight and bias (d,)), N = 4d^2 + 2d:
   1M: d=512 -> 1,049,600    16M: d=2048 -> 16,781,312    64M: d=4096 -> 67,117,056
   128M: d=5632 -> 126,887,936    256M: d=8000 -> 256,016,000    (for GPUs)
+Model-shaped sets (146 tensors: 12 GPT-2 transformer layers of width d with their biases
+and LayerNorms, and the final LayerNorm; no embeddings):
+  12x256: 9,477,632    12x768: 85,056,000
 On CUDA the achieved bytes/s is also given as a fraction of the device's measured copy
 bandwidth (a 1 GiB device-to-device copy, read + write counted).
 
@@ -34,6 +37,11 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 WIDTH = {"1M": 512, "16M": 2048, "64M": 4096, "128M": 5632, "256M": 8000}
+# Model-shaped sets: the parameters of 12 GPT-2 transformer layers of width d (per
+# layer: LayerNorm weight and bias, qkv (d, 3d) and its bias, projection (d, d) and bias,
+# LayerNorm, MLP (d, 4d) and (4d, d) with biases) and the final LayerNorm, no embeddings:
+# 146 tensors, 98 of them 1-D, so the per-tensor costs show.
+LAYERS = {"12x256": 256, "12x768": 768}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MUON_LIKE = ("muon", "gefenmuon")
 # ratio column: each optimizer's time over its baseline's time for the same set
@@ -42,6 +50,11 @@ DEFAULT_BASELINE = "adamw-fused"
 
 
 def shapes(size: str) -> List[Tuple[int, ...]]:
+    if size in LAYERS:
+        d = LAYERS[size]
+        layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
+                 (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+        return layer * 12 + [(d,), (d,)]
     d = WIDTH[size]
     return [(3 * d, d), (d, d), (d,), (d,)]
 
@@ -77,7 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default="adamw-fused,adamw-foreach,gefen",
                    help="comma list from: " + ", ".join(
                        n for n in C.OPTIMIZERS if not n.startswith(("muon+", "hybrid"))))
-    p.add_argument("--sizes", default="1M,16M,64M", help="comma list from " + ",".join(WIDTH))
+    p.add_argument("--sizes", default="1M,16M,64M",
+                   help="comma list from " + ",".join([*WIDTH, *LAYERS]))
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list from fp32,bf16,fp16")
     p.add_argument("--device", default="cpu", help="cpu or cuda (skips cleanly without CUDA)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
@@ -161,8 +175,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"{bad} need a model; use loss_parity.py / memory.py for them")
     sizes, dtypes = C.parse_list(a.sizes), C.parse_list(a.dtypes)
     for s in sizes:
-        if s not in WIDTH:
-            raise SystemExit(f"unknown size {s!r}; known: {', '.join(WIDTH)}")
+        if s not in WIDTH and s not in LAYERS:
+            raise SystemExit(f"unknown size {s!r}; known: {', '.join([*WIDTH, *LAYERS])}")
     for d in dtypes:
         if d not in DTYPES:
             raise SystemExit(f"unknown dtype {d!r}; known: {', '.join(DTYPES)}")

@@ -322,6 +322,18 @@ static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
                         const gefen_quantizer *q, const gefen_block_ops *ops, int64_t b0,
                         int64_t b1, float *m) {
   const int64_t P = it->period, nb = it->cols / P;
+  if (P == 1 && ops->adam_period1 && !it->stochastic_round && it->dtype != GEFEN_F64) {
+    /* blocks of one element: a call per element would cost far more than its
+     * arithmetic (block b is element b) */
+    const gefen_period1 a = {.grad = it->grad, .param = it->param, .dtype = it->dtype,
+                             .codes = it->codes, .magnitude = it->magnitude,
+                             .vmean = it->vmean, .beta1 = k->beta1,
+                             .one_minus_beta1 = k->one_minus_beta1, .beta2 = k->beta2,
+                             .one_minus_beta2 = k->one_minus_beta2, .inv_bc1 = k->inv_bc1,
+                             .rs_bc2 = k->rs_bc2, .eps = k->eps, .decay = k->decay, .lr = k->lr};
+    ops->adam_period1(q, &a, b0, b1 - b0);
+    return;
+  }
   gefen_sink sink = adam_sink(it, k, GEFEN_SINK_ADAM_BLOCK);
   for (int64_t b = b0; b < b1; b++) {
     const int64_t base = b * P;

@@ -458,6 +458,7 @@ static const gefen_block_ops ops_avx2 = {
     adam_momentum, muon_momentum,  requantize,     requantize_apply,
     row_stats,     apply_block,    apply_factored, muon_output,
     dequantize_apply,
+    NULL, /* adam_period1: the per-block primitives */
 };
 
 static int cpu_has_avx2(void) {

@@ -184,6 +184,7 @@ static const gefen_block_ops ops_avx512 = {
     adam_momentum,          muon_momentum,           requantize,
     requantize_apply,       gefen_avx512_row_stats,  gefen_avx512_apply_block,
     gefen_avx512_apply_factored, gefen_avx512_muon_output, dequantize_apply,
+    adam_period1,
 };
 
 static int cpu_has_avx512(void) {

@@ -26,7 +26,7 @@
  * portable primitives, so the results agree with them bit for bit.
  *
  * It defines the static functions adam_momentum, muon_momentum, requantize,
- * requantize_apply and dequantize_apply of gefen_block_ops. */
+ * requantize_apply, dequantize_apply and adam_period1 of gefen_block_ops. */
 
 /* Blocks at least this long search m with scaled thresholds (requantize_t). */
 #define SCALED_MIN_LEN 128
@@ -422,4 +422,70 @@ TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *cod
   BY_OUT(GEFEN_SINK_ADAM_FACTORED)
 #undef BY_OUT
 #undef CALL
+}
+
+
+/* ------------------------------------------------ blocks of one element */
+
+/* adam_period1: 64 elements at j (or the first ones of km), each its own
+ * block. Per lane, the operations of the per-block path with len 1:
+ * momentum64 (m, and max|m| over one element: |m|, or 0 when m is NaN, as
+ * vmaxps returns its second operand then), the second moment and step size of
+ * block_chunk (the block's sum of squares is g * g: one float64 lane holding
+ * a float, divided by P = 1 and rounded back), and requantize64 in its modes
+ * for short blocks: u = m / mx (BY_DIVISION) where mx > 0, u = 0 (BY_ZERO)
+ * elsewhere, unscaled thresholds, mq = C[code] * mx to the block sink. */
+INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, const gefen_dtype dt,
+                       int64_t j, __mmask64 km) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 c[4], u[4], mx[4], step[4];
+  __m512i bits[4];
+  decode_codes64(s, a->codes + j, km, c);
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    const int64_t i = j + 16 * v;
+    const __m512 g = gefen_load16(a->grad, dt, i, k);
+    const __m512 mo = _mm512_mul_ps(c[v], _mm512_maskz_loadu_ps(k, a->magnitude + i));
+    const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(a->beta1), mo),
+                                   _mm512_mul_ps(_mm512_set1_ps(a->one_minus_beta1), g));
+    mx[v] = _mm512_max_ps(_mm512_abs_ps(x), zero); /* NaN never wins */
+    _mm512_mask_storeu_ps(a->magnitude + i, k, mx[v]);
+    const __m512 vm =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(a->beta2), _mm512_maskz_loadu_ps(k, a->vmean + i)),
+                      _mm512_mul_ps(_mm512_set1_ps(a->one_minus_beta2), _mm512_mul_ps(g, g)));
+    _mm512_mask_storeu_ps(a->vmean + i, k, vm);
+    step[v] = _mm512_div_ps(_mm512_set1_ps(a->inv_bc1),
+                            _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vm), _mm512_set1_ps(a->rs_bc2)),
+                                          _mm512_set1_ps(a->eps)));
+    u[v] = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx[v], zero, _CMP_GT_OQ), x, mx[v]);
+  }
+  search64(&s->levels, u, bits);
+  store_and_decode64(s, bits, a->codes + j, km, c);
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    const int64_t i = j + 16 * v;
+    const __m512 delta = _mm512_mul_ps(_mm512_mul_ps(c[v], mx[v]), step[v]);
+    const __m512 p = gefen_load16(a->param, dt, i, k);
+    gefen_store16(a->param, dt, i,
+                  _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(a->decay)),
+                                _mm512_mul_ps(_mm512_set1_ps(a->lr), delta)),
+                  k);
+  }
+}
+
+INLINE void period1_t(const gefen_quantizer *q, const gefen_period1 *a, const gefen_dtype dt,
+                      int64_t base, int64_t n) {
+  const gefen_quant_search *s = &q->search;
+  int64_t j = base;
+  for (; j + 64 <= base + n; j += 64) period1_64(s, a, dt, j, ~(__mmask64)0);
+  if (j < base + n) period1_64(s, a, dt, j, tail_mask64(base + n - j));
+}
+
+TARGET static void adam_period1(const gefen_quantizer *q, const gefen_period1 *a, int64_t base,
+                                int64_t n) {
+  switch (a->dtype) {
+    case GEFEN_BF16: period1_t(q, a, GEFEN_BF16, base, n); return;
+    case GEFEN_F16: period1_t(q, a, GEFEN_F16, base, n); return;
+    default: period1_t(q, a, GEFEN_F32, base, n); return; /* float32 (adam.c: never float64) */
+  }
 }

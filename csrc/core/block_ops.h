@@ -99,6 +99,18 @@ typedef struct {
   int nesterov;
 } gefen_sink;
 
+/* The block form's step for blocks of one element (period 1: the 1-D
+ * parameters) over a run of elements: the item's buffers and constants. */
+typedef struct {
+  const void *grad;
+  void *param;
+  gefen_dtype dtype; /* of grad and param: float32, bfloat16 or float16 */
+  uint8_t *codes;
+  float *magnitude, *vmean; /* one per element */
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  float inv_bc1, rs_bc2, eps, decay, lr;
+} gefen_period1;
+
 typedef struct {
   /* Gefen (C: the codebook of q): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g; adds sum g^2
    * to *sq unless sq is NULL; returns max|m| (NaN never wins; 0 for an
@@ -143,6 +155,14 @@ typedef struct {
    * floats (may be overwritten). */
   void (*dequantize_apply)(const gefen_quantizer *q, const uint8_t *codes, float mag,
                            int64_t len, float *m, const gefen_sink *sink);
+  /* The block form's whole step (nearest rounding) of the elements [base,
+   * base + n) of an item of period 1, each element its own block: for each,
+   * the same operations as adam_momentum (len 1, with the square),
+   * the block's second moment and step size (adam.c's block_chunk) and
+   * requantize_apply (len 1) to an Adam block sink, but 64 elements at a time
+   * instead of one call each. NULL: adam.c calls those per element. */
+  void (*adam_period1)(const gefen_quantizer *q, const gefen_period1 *a, int64_t base,
+                       int64_t n);
 } gefen_block_ops;
 
 /* The portable primitives (every dtype, every codebook). */

@@ -409,6 +409,7 @@ const gefen_block_ops gefen_block_ops_scalar = {
     adam_momentum, muon_momentum,  requantize,     requantize_apply,
     row_stats,     apply_block,    apply_factored, muon_output,
     dequantize_apply,
+    NULL, /* adam_period1: the per-block primitives (the reference) */
 };
 
 /* ------------------------------------------------------------- dispatch */

@@ -5,7 +5,8 @@
  *   phase 2 decodes them) gives, bit for bit, the state and parameters of the
  *   step without it: on every version of the primitives this CPU has
  *   (AVX-512 + VBMI, AVX-512, AVX2, portable), 1-3 threads, every dtype,
- *   row lengths 1-130 and long rows, periods below the row length, several
+ *   row lengths 1-130 and long rows, periods below the row length, 1-D
+ *   parameters (period 1, adam_period1) of every length 1-200 and 70001, several
  *   items and statistics chunks per call, a row shard (row offset, more global
  *   rows), NaN payloads, infinities, subnormals and +-0 in the gradient and
  *   parameters, codebooks with repeated, -0/+0, subnormal and tightly packed
@@ -459,6 +460,15 @@ static void test_equivalence(void) {
         compare_set(&s, 1, q, cb_names[cbk], ops[o], names[o], 1 + (int)(k % 3), (k / 4) % 2,
                     (int)((k / 3) % 3), (k / 5) % 2, 2);
       }
+      /* 1-D parameters (n x 1, period 1: the block item last), every
+       * length 1..200 (whole groups of 64 and tails), every dtype, threads,
+       * both roundings (stochastic: the per-block path) and special values */
+      for (int64_t len = 1; len <= 200; len++) {
+        const unsigned k = (unsigned)(len + 5 * o + 3 * cbk);
+        const shape set[2] = {{all_dts[(k + 1) % 4], 1, 24, 8}, {all_dts[k % 4], len, 1, 1}};
+        compare_set(set, 2, q, cb_names[cbk], ops[o], names[o], 1 + (int)(k % 3),
+                    (k / 7) % 4 == 0, (int)((k / 3) % 3), (k / 5) % 2, 2);
+      }
       /* long rows, several items per call (a block item last), several
        * statistics chunks (rows x cols >= 2 x 32768), every dtype, thread
        * count and rounding */
@@ -470,6 +480,10 @@ static void test_equivalence(void) {
                                 {all_dts[(d + 2) % 4], 6, 130, 13}};
           compare_set(set, 3, q, cb_names[cbk], ops[o], names[o], nt, stochastic, specials,
                       d % 2, 3);
+          /* a 1-D parameter (n x 1, period 1: adam_period1) long enough
+           * for several chunks and threads */
+          const shape one_d[2] = {{all_dts[(d + 3) % 4], 2, 64, 16}, {all_dts[d], 70001, 1, 1}};
+          compare_set(one_d, 2, q, cb_names[cbk], ops[o], names[o], nt, 0, specials, 0, 3);
           const shape big = {all_dts[d], 70, 2048, d < 2 ? 2048 : 512};
           compare_set(&big, 1, q, cb_names[cbk], ops[o], names[o], nt, !stochastic,
                       (specials + 1) % 3, nt == 3, 2);
