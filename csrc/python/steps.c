@@ -230,11 +230,39 @@ static int parse_run_options(PyObject *args, PyObject *kwargs, PyObject **qobj,
  * item points into is kept referenced by the plan that parsed it, so the
  * pointers stay valid for the plan's life. */
 
+/* The fields' names as interned str objects, made once: a step reads about
+ * twenty fields of every item, and PyObject_GetAttrString would decode and
+ * hash each name again and miss the type's attribute cache (which takes
+ * interned names only) -- most of a plan's cost per item. Keyed by the
+ * address of the field's string literal; NULL (an exception set) when out of
+ * memory. The GIL serialises the first use. */
+enum { FIELD_NAMES = 48 };
+static struct {
+  const char *key;
+  PyObject *name; /* interned, never released */
+} field_names[FIELD_NAMES];
+
+static PyObject *field_name(const char *field) {
+  for (int i = 0; i < FIELD_NAMES; i++) {
+    if (field_names[i].key == field) return field_names[i].name;
+    if (!field_names[i].key) {
+      PyObject *name = PyUnicode_InternFromString(field);
+      if (!name) return NULL;
+      field_names[i].name = name;
+      field_names[i].key = field;
+      return name;
+    }
+  }
+  PyErr_Format(PyExc_RuntimeError, "gefen: more than %d item field names", FIELD_NAMES);
+  return NULL;
+}
+
 /* A field of an item (new reference kept in refs; the returned pointer is
  * borrowed from there), or NULL with an exception naming the field. */
 static PyObject *item_field(PyObject *item, const char *field, PyObject *refs,
                             const char *kind) {
-  PyObject *v = PyObject_GetAttrString(item, field);
+  PyObject *key = field_name(field);
+  PyObject *v = key ? PyObject_GetAttr(item, key) : NULL;
   if (!v) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
       PyErr_Clear();
