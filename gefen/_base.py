@@ -41,12 +41,15 @@ class StepPlan:
 
     def state_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> dict:
         """The state a parameter is stepped with (new or existing)."""
-        st = self.pending.get(key)
-        return st if st is not None else opt.state[key]
+        if self.pending:  # empty on most steps: no lookup (a tensor key hashes in Python)
+            st = self.pending.get(key)
+            if st is not None:
+                return st
+        return opt.state[key]
 
     def codes_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> torch.Tensor:
         """The local codes the update writes (a re-expressed copy on refresh steps)."""
-        codes = self.new_codes.get(key)
+        codes = self.new_codes.get(key) if self.new_codes else None
         return codes if codes is not None else local(self.state_of(opt, key)["codes"])
 
     def lr(self, group: dict) -> float:
@@ -326,7 +329,8 @@ class _QuantizedOptimizer(Optimizer):
         learning = error is None and (
             self._codebook is None or self._refresh_due() or any(not self.state.get(v.key) for v in views)
         )
-        header = self._header(lrs)
+        # what the ranks compare; a step with no DTensor parameter has no one to agree with
+        header = self._header(lrs) if self._comm.distributed(params) else []
         if learning or error is not None:
             flags = self._comm.agree(params, header, flags, error)
             if not self._has_work(views, flags):

@@ -198,7 +198,8 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
                 f"parameter '{name}': the parameter is a DTensor but its gradient is a plain "
                 "tensor"
             )
-        g = g.detach()
+        if g.requires_grad:  # a gradient that is itself part of a graph
+            g = g.detach()
     local_rows = pl.local_rows if layout.distributed else (lp.shape[0] if lp.dim() else 1)
     return ParamView(key, name, group, gi, i, lp, g, pl.shape, pl.row_offset, layout, pl.rows,
                      pl.cols, local_rows)
