@@ -90,8 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default="adamw-fused,adamw-foreach,gefen",
                    help="comma list from: " + ", ".join(
                        n for n in C.OPTIMIZERS if not n.startswith(("muon+", "hybrid"))))
-    p.add_argument("--sizes", default="1M,16M,64M",
-                   help="comma list from " + ",".join([*WIDTH, *LAYERS]))
+    p.add_argument("--sizes", default=None,
+                   help="comma list from " + ",".join([*WIDTH, *LAYERS])
+                   + " (default 1M,16M,64M; 1M with --quick)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list from fp32,bf16,fp16")
     p.add_argument("--device", default="cpu", help="cpu or cuda (skips cleanly without CUDA)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
@@ -103,11 +104,13 @@ def parse_args(argv=None):
                    help="skip muon/gefenmuon on sets larger than this (default: 4e6 on "
                         "cpu, no limit on cuda: Newton-Schulz on a CPU is slow)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="1M only, 3 timed steps, 1 warmup")
+    p.add_argument("--quick", action="store_true",
+                   help="1M only (unless --sizes), 3 timed steps, 1 warmup")
     C.add_common_args(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.steps, a.warmup = "1M", 3, 1
+        a.sizes, a.steps, a.warmup = a.sizes or "1M", 3, 1
+    a.sizes = a.sizes or "1M,16M,64M"
     if a.muon_max_params is None:
         a.muon_max_params = 4e6 if a.device == "cpu" else float("inf")
     return a

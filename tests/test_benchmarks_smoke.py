@@ -105,6 +105,21 @@ def test_step_time_benchmark_reports_every_row(tmp_path):
             assert 1.0 < per_param <= 1.05
 
 
+def test_step_time_model_shaped_set(tmp_path):
+    """The 146-tensor set of 12 GPT-2 layers (docs/performance.md): its shapes and
+    parameter count as documented, every optimizer stepped on it."""
+    result = _run("step_time.py", "--sizes", "12x256", "--optimizers", "gefen,gefen-block",
+                  "--dtypes", "fp32", tmp_path=tmp_path)
+    shapes = result["shapes"]["12x256"]
+    assert len(shapes) == 146 and sum(len(s) == 1 for s in shapes) == 98
+    assert sum(math.prod(s) for s in shapes) == 9_477_632
+    rows = {r["optimizer"]: r for r in result["results"]}
+    assert set(rows) == {"gefen", "gefen-block"}
+    for r in rows.values():
+        assert r["params"] == 9_477_632 and 0 < r["min_ms"] <= r["median_ms"]
+        assert 1.0 < r["state_bytes"] / r["params"] <= 1.07
+
+
 def test_loss_parity_benchmark_trains_every_optimizer(tmp_path):
     names = ["adamw", "gefen", "hybrid-gefen"]
     result = _run("loss_parity.py", "--optimizers", ",".join(names), tmp_path=tmp_path)
