@@ -144,13 +144,18 @@ static int momentum_in_stats(const gefen_adam_item *it) {
  * made the pass 6x slower than reading the gradient.) */
 #define STATS_PART_DOUBLES ((int64_t)1 << 18)
 
-/* Columns of one item whose chunk partials one task adds up (in chunk order). */
-#define STATS_REDUCE_COLS 512
+/* The doubles of an item's chunk partials (none when its one chunk sums into
+ * col_stats itself). */
+static int64_t stats_partials(const gefen_adam_item *it) {
+  const int64_t c = stats_chunks(it);
+  return c > 1 ? c * (it->cols + 1) : 0;
+}
 
-typedef struct {
-  int64_t first, chunks; /* the item's chunks: work[first .. first + chunks) */
-  int64_t j0, j1;        /* the columns (and the row-sum slot at cols) */
-} reduce_task;
+/* Whether an item with `part` doubles of partials starts a new batch after
+ * `used` doubles of the current one. */
+static int stats_new_batch(int64_t used, int64_t part) {
+  return used > 0 && used + part > STATS_PART_DOUBLES;
+}
 
 /* Phase 1's scratch, allocated before anything is written (stats_prepare)
  * so that a step can hold both phases' scratch before its first mutation. */
@@ -159,8 +164,6 @@ typedef struct {
   gefen_work *work;   /* one entry per chunk, item after item */
   double **dest;      /* its sums: into `part`, or its item's col_stats when it is the only chunk */
   int64_t *batch_end; /* the chunks of batch b are [batch_end[b - 1], batch_end[b]) */
-  reduce_task *task;  /* the reduction of the partials, batch after batch */
-  int64_t *task_end;  /* the tasks of batch b are [task_end[b - 1], task_end[b]) */
   double *part;
   float *mbuf;        /* momentum_in_stats: one momentum block per thread */
 } stats_scratch;
@@ -169,8 +172,6 @@ static void stats_free(stats_scratch *s) {
   free(s->work);
   free(s->dest);
   free(s->batch_end);
-  free(s->task);
-  free(s->task_end);
   free(s->part);
   free(s->mbuf);
   memset(s, 0, sizeof *s);
@@ -191,43 +192,32 @@ static gefen_status stats_prepare(const gefen_adam_item *items, int64_t n,
     if (items[i].period > s->max_period) s->max_period = items[i].period;
   }
   /* the batches: whole items, in order, while their partials fit */
-  int64_t max_part = 0, batch_part = 0, ntask = 0;
+  int64_t max_part = 0, batch_part = 0;
   for (int64_t i = 0; i < n; i++) {
-    const int64_t c = stats_chunks(&items[i]);
-    const int64_t part = c > 1 ? c * (items[i].cols + 1) : 0;
-    if (batch_part > 0 && batch_part + part > STATS_PART_DOUBLES) batch_part = 0;
+    const int64_t part = stats_partials(&items[i]);
+    if (stats_new_batch(batch_part, part)) batch_part = 0;
     batch_part += part;
     if (batch_part > max_part) max_part = batch_part;
-    s->nwork += c;
-    if (c > 1) ntask += (items[i].cols + STATS_REDUCE_COLS) / STATS_REDUCE_COLS; /* cols + 1 */
+    s->nwork += stats_chunks(&items[i]);
   }
   if (s->nwork == 0) return GEFEN_OK;
   s->work = malloc((size_t)s->nwork * sizeof *s->work);
   s->dest = malloc((size_t)s->nwork * sizeof *s->dest);
   s->batch_end = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->batch_end);
-  s->task = malloc((size_t)(ntask > 0 ? ntask : 1) * sizeof *s->task);
-  s->task_end = malloc((size_t)(n > 0 ? n : 1) * sizeof *s->task_end);
   s->part = malloc((size_t)(max_part > 0 ? max_part : 1) * sizeof(double));
   if (s->max_period > 0) s->mbuf = malloc((size_t)nt * (size_t)s->max_period * sizeof(float));
-  if (!s->work || !s->dest || !s->batch_end || !s->task || !s->task_end || !s->part ||
-      (s->max_period > 0 && !s->mbuf)) {
+  if (!s->work || !s->dest || !s->batch_end || !s->part || (s->max_period > 0 && !s->mbuf)) {
     stats_free(s);
     return gefen_fail(err, GEFEN_ENOMEM, "factored statistics: out of memory");
   }
-  int64_t w = 0, off = 0, t = 0;
+  int64_t w = 0, off = 0;
   for (int64_t i = 0; i < n; i++) {
     const int64_t c = stats_chunks(&items[i]), cols = items[i].cols;
-    const int64_t part = c > 1 ? c * (cols + 1) : 0;
-    if (off > 0 && off + part > STATS_PART_DOUBLES) { /* the same rule as above */
-      s->task_end[s->nbatch] = t;
+    const int64_t part = stats_partials(&items[i]);
+    if (stats_new_batch(off, part)) {
       s->batch_end[s->nbatch++] = w;
       off = 0;
     }
-    if (c > 1)
-      for (int64_t j = 0; j <= cols; j += STATS_REDUCE_COLS)
-        s->task[t++] = (reduce_task){.first = w, .chunks = c, .j0 = j,
-                                     .j1 = j + STATS_REDUCE_COLS < cols + 1 ? j + STATS_REDUCE_COLS
-                                                                            : cols + 1};
     for (int64_t k = 0; k < c; k++, w++) {
       s->work[w].item = i;
       s->work[w].begin = items[i].rows * k / c;
@@ -236,7 +226,6 @@ static gefen_status stats_prepare(const gefen_adam_item *items, int64_t n,
     }
     off += part;
   }
-  s->task_end[s->nbatch] = t;
   s->batch_end[s->nbatch++] = w;
   return GEFEN_OK;
 }
@@ -249,32 +238,26 @@ static void stats_run(const gefen_block_ops *ops, const gefen_adam_item *items, 
   const int64_t max_period = s->max_period;
   if (s->nwork == 0) return;
   float *const mbuf = s->mbuf;
-  for (int64_t b = 0, k0 = 0, t0 = 0; b < s->nbatch; k0 = s->batch_end[b], t0 = s->task_end[b++]) {
-    const int64_t k1 = s->batch_end[b], t1 = s->task_end[b];
-#pragma omp parallel num_threads(nt) if (k1 - k0 > 1 && nt > 1)
-    {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t k = k0; k < k1; k++) {
+  for (int64_t b = 0, k0 = 0; b < s->nbatch; k0 = s->batch_end[b++]) {
+    const int64_t k1 = s->batch_end[b];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (k1 - k0 > 1 && nt > 1)
+    for (int64_t k = k0; k < k1; k++) {
 #ifdef _OPENMP
-        float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)max_period : NULL;
+      float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)max_period : NULL;
 #else
-        float *m = mbuf;
+      float *m = mbuf;
 #endif
-        const gefen_adam_item *it = &items[s->work[k].item];
-        if (s->dest[k] != it->col_stats) /* a partial: the buffer is reused batch after batch */
-          memset(s->dest[k], 0, (size_t)(it->cols + 1) * sizeof(double));
-        factored_stats_rows(it, q, ops, s->work[k].begin, s->work[k].end, s->dest[k],
-                            s->dest[k] + it->cols, m);
-      }
-      /* (the barrier of the loop above) each column's partials added in chunk
-       * order, as one batch of everything would, columns split across threads */
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = t0; t < t1; t++) {
-        const reduce_task *rt = &s->task[t];
-        double *const col = items[s->work[rt->first].item].col_stats;
-        for (int64_t k = rt->first; k < rt->first + rt->chunks; k++)
-          for (int64_t j = rt->j0; j < rt->j1; j++) col[j] += s->dest[k][j];
-      }
+      const gefen_adam_item *it = &items[s->work[k].item];
+      if (s->dest[k] != it->col_stats) /* a partial: the buffer is reused batch after batch */
+        memset(s->dest[k], 0, (size_t)(it->cols + 1) * sizeof(double));
+      factored_stats_rows(it, q, ops, s->work[k].begin, s->work[k].end, s->dest[k],
+                          s->dest[k] + it->cols, m);
+    }
+    /* each item's partials added in chunk order, as one batch of everything would */
+    for (int64_t k = k0; k < k1; k++) {
+      const gefen_adam_item *it = &items[s->work[k].item];
+      if (s->dest[k] == it->col_stats) continue;
+      for (int64_t j = 0; j <= it->cols; j++) it->col_stats[j] += s->dest[k][j];
     }
   }
 }
