@@ -37,6 +37,19 @@ INLINE __mmask64 tail_mask64(int64_t left) {
 
 INLINE __mmask16 part_mask(__mmask64 k, int v) { return (__mmask16)(k >> (16 * v)); }
 
+/* The two Adam formulas, written once for the per-block primitives and for
+ * adam_period1 (same operations, same order as the portable code):
+ *   m     = beta1 * mo + (1 - beta1) * g        (mo = C[code] * mag_old)
+ *   param = param * decay - lr * delta           (delta = mq * step size) */
+INLINE __m512 adam_m16(__m512 vb1, __m512 vomb, __m512 mo, __m512 g) {
+  return _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb, g));
+}
+
+INLINE __m512 adam_param16(__m512 p, float decay, float lr, __m512 delta) {
+  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)),
+                       _mm512_mul_ps(_mm512_set1_ps(lr), delta));
+}
+
 /* The state of a momentum pass: the running max|m| and float64 lanes of g^2. */
 typedef struct {
   __m512 vmx;
@@ -60,7 +73,7 @@ INLINE void momentum64(const gefen_quant_search *s, const void *grad, const gefe
     const __m512 g = gefen_load16(grad, dt, base + i, k);
     const __m512 mo = _mm512_mul_ps(c[v], vmag);
     const __m512 x = muon ? _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)))
-                          : _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb, g));
+                          : adam_m16(vb1, vomb, mo, g);
     _mm512_mask_storeu_ps(m + i, k, x);
     acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
     if (want_sq) gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
@@ -229,11 +242,7 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
                           _mm512_add_ps(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, sk->scol + i)),
                                         _mm512_set1_ps(sk->eps)));
       const __m512 p = gefen_load16(sk->out, out_dt, at, k);
-      const __m512 delta = _mm512_mul_ps(mq, s);
-      gefen_store16(sk->out, out_dt, at,
-                    _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(sk->decay)),
-                                  _mm512_mul_ps(_mm512_set1_ps(sk->lr), delta)),
-                    k);
+      gefen_store16(sk->out, out_dt, at, adam_param16(p, sk->decay, sk->lr, _mm512_mul_ps(mq, s)), k);
       break;
     }
     case GEFEN_SINK_MUON: {
@@ -434,7 +443,9 @@ TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *cod
  * block_chunk (the block's sum of squares is g * g: one float64 lane holding
  * a float, divided by P = 1 and rounded back), and requantize64 in its modes
  * for short blocks: u = m / mx (BY_DIVISION) where mx > 0, u = 0 (BY_ZERO)
- * elsewhere, unscaled thresholds, mq = C[code] * mx to the block sink. */
+ * elsewhere, unscaled thresholds, mq = C[code] * mx to the block sink. The
+ * momentum and the parameter update are the same helpers (adam_m16,
+ * adam_param16) as those of momentum64 and sink16. */
 INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, const gefen_dtype dt,
                        int64_t j, __mmask64 km) {
   const __m512 zero = _mm512_setzero_ps();
@@ -446,8 +457,7 @@ INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, cons
     const int64_t i = j + 16 * v;
     const __m512 g = gefen_load16(a->grad, dt, i, k);
     const __m512 mo = _mm512_mul_ps(c[v], _mm512_maskz_loadu_ps(k, a->magnitude + i));
-    const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(a->beta1), mo),
-                                   _mm512_mul_ps(_mm512_set1_ps(a->one_minus_beta1), g));
+    const __m512 x = adam_m16(_mm512_set1_ps(a->beta1), _mm512_set1_ps(a->one_minus_beta1), mo, g);
     mx[v] = _mm512_max_ps(_mm512_abs_ps(x), zero); /* NaN never wins */
     _mm512_mask_storeu_ps(a->magnitude + i, k, mx[v]);
     const __m512 vm =
@@ -466,10 +476,7 @@ INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, cons
     const int64_t i = j + 16 * v;
     const __m512 delta = _mm512_mul_ps(_mm512_mul_ps(c[v], mx[v]), step[v]);
     const __m512 p = gefen_load16(a->param, dt, i, k);
-    gefen_store16(a->param, dt, i,
-                  _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(a->decay)),
-                                _mm512_mul_ps(_mm512_set1_ps(a->lr), delta)),
-                  k);
+    gefen_store16(a->param, dt, i, adam_param16(p, a->decay, a->lr, delta), k);
   }
 }
 
