@@ -360,8 +360,13 @@ class _QuantizedOptimizer(Optimizer):
         """Run a prepared step, then install new state (and the new codebook and codes
         when it was relearned) and count the step."""
         self._run_update(plan)
-        for v in plan.views:
-            plan.state_of(self, v.key)["step"] += 1
+        if plan.pending:
+            for v in plan.views:
+                plan.state_of(self, v.key)["step"] += 1
+        else:  # every stepped parameter has its state already (most steps)
+            state = self.state
+            for v in plan.views:
+                state[v.key]["step"] += 1
         self._install(plan)
 
     def _check_step_inputs(self, views: list[ParamView]) -> None:
@@ -374,16 +379,17 @@ class _QuantizedOptimizer(Optimizer):
             self._set_codebook(plan.new_codebook, plan.quantizer)
         for key, codes in plan.new_codes.items():
             local(self.state[key]["codes"]).copy_(codes)
-        for v in plan.views:
-            st = plan.pending.get(v.key)
-            if st is not None:
-                st["codebook"] = self._codebook_on(v)
-                self.state[v.key] = st
+        if plan.pending:
+            for v in plan.views:
+                st = plan.pending.get(v.key)
+                if st is not None:
+                    st["codebook"] = self._codebook_on(v)
+                    self.state[v.key] = st
+            _checkpoint.update_state_counts(self)  # (they change only here and on loads)
         self._global_step += 1
         for st in self.state.values():
             if "global_step" in st:
                 st["global_step"] = self._global_step
-        _checkpoint.update_state_counts(self)
 
     def _device_table(self, quantizer, device: torch.device):
         """The quantiser's lookup table on ``device`` (None on the CPU), cached."""

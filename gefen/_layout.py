@@ -47,7 +47,7 @@ def check_grad(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
         raise RuntimeError(f"parameter '{name}': sparse gradients are not supported")
     if g.is_complex():
         raise TypeError(f"parameter '{name}': complex gradients are not supported")
-    if p.device.type == "meta" or g.device.type == "meta":
+    if p.is_meta or g.is_meta:
         raise RuntimeError(
             f"parameter '{name}': tensors on the meta device cannot be stepped; "
             "materialise the model (e.g. to_empty + init) first"

@@ -119,7 +119,9 @@ class ParamView:
     """One parameter as a step sees it.
 
     ``key`` is the parameter the optimizer holds (an ``nn.Parameter``, possibly a
-    DTensor); ``param``/``grad`` are its local shard and gradient (detached);
+    DTensor); ``param``/``grad`` are its local shard and gradient (a DTensor's local
+    shard detached; a plain parameter is ``key`` itself: steps run under ``no_grad``, and
+    the C extension reads it through DLPack's exchange table, which needs no detach);
     ``shape`` is the *global* shape (``rows`` = R, ``cols`` = S) and ``row_offset`` the
     global index of the first of this rank's ``local_rows`` rows.
     """
@@ -179,7 +181,7 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
     """The view of one parameter; ``placement``: its cached :func:`place`."""
     pl = placement if placement is not None else place(key, name)
     layout = pl.layout
-    lp = local(key).detach()
+    lp = key._local_tensor.detach() if layout.distributed else key  # a detach costs ~1 us
     g = key.grad
     if g is not None:
         lg = getattr(g, "_local_tensor", None)

@@ -10,7 +10,7 @@ import torch
 from ._base import StepPlan, _QuantizedOptimizer, block_state, row_vector
 from ._checkpoint import block_to_factored, factored_to_block
 from ._comm import ShardBuffers
-from ._device import group_by_device, stream_of
+from ._device import stream_of
 from ._ext import _C
 from ._items import AdamItem
 from ._layout import as_float, rows_cols
@@ -28,6 +28,8 @@ _WHOLE_CPU_STEP = True
 #: again. The bits are the same; it is off because it is slower on the 2-core machine the
 #: project is measured on (docs/performance.md, "Levers tried").
 _MOMENTUM_IN_STATS = False
+
+_CPU = torch.device("cpu")
 
 
 def check_adam_hparams(lr, betas, eps, weight_decay) -> None:
@@ -200,7 +202,7 @@ class Gefen(_QuantizedOptimizer):
         seed = self._global_step
         buffers = {}
         reserved = []
-        wholes = []  # per item: taken by a whole-step plan (no reduction between the phases)
+        by_device = {}  # device -> (items of two-phase plans, items of whole-step plans)
         hyper = {}  # id(group) -> the group's scalars, read once
         for v in plan.views:
             st = plan.state_of(self, v.key)
@@ -218,39 +220,39 @@ class Gefen(_QuantizedOptimizer):
                 pc = p.contiguous()
                 copies.append((p, pc))
                 p = pc
+            device = _CPU if p.is_cpu else p.device  # (p.device costs ~0.4 us)
+            whole = _WHOLE_CPU_STEP and device is _CPU and not v.layout.sharded
+            codes = plan.new_codes.get(v.key) if plan.new_codes else None
+            if codes is None:
+                codes = st["codes"]
             row_stats = col_key = None
-            whole = _WHOLE_CPU_STEP and p.device.type == "cpu" and not v.layout.sharded
             if st["factored"]:
-                row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=p.device)
-                buf = buffers.setdefault(p.device, ShardBuffers(p.device))
+                row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=device)
+                buf = buffers.setdefault(device, ShardBuffers(device))
                 col_key = (buf, *buf.reserve(v.layout, v.cols + 1))
-            items.append(
-                AdamItem(
-                    name=v.name, param=p, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key),
-                    magnitude=local(st["magnitude"]), vmean=local(st.get("vmean")),
-                    v_row=local(st.get("v_row")), v_col=local(st.get("v_col")),
-                    col_stats=None, row_stats=row_stats, period=st["period"],
-                    row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1, seed=seed,
-                    momentum_in_stats=whole and _MOMENTUM_IN_STATS, **h,
+            if v.layout.distributed:  # DTensor state: its local shards
+                codes, mag, vmean, v_row, v_col = (
+                    local(t) for t in (codes, st["magnitude"], st.get("vmean"), st.get("v_row"), st.get("v_col"))
                 )
+            else:
+                mag, vmean, v_row, v_col = st["magnitude"], st.get("vmean"), st.get("v_row"), st.get("v_col")
+            item = AdamItem(
+                name=v.name, param=p, grad=v.grad.contiguous(), codes=codes, magnitude=mag,
+                vmean=vmean, v_row=v_row, v_col=v_col, col_stats=None, row_stats=row_stats,
+                period=st["period"], row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1,
+                seed=seed, momentum_in_stats=whole and _MOMENTUM_IN_STATS, **h,
             )
-            wholes.append(whole)
+            items.append(item)
             reserved.append(col_key)
+            by_device.setdefault(device, ([], []))[whole].append(item)
         for buf in buffers.values():
             buf.allocate()
         for item, key in zip(items, reserved):
             if key is not None:
                 buf, k, off = key
                 item.col_stats = buf.view(k, off, item.v_col.numel() + 1)
-        steps, whole = [], []
-        is_whole = {id(it): w for it, w in zip(items, wholes)}
-        for device, group in group_by_device(items, lambda it: it.param.device).items():
-            phased = [it for it in group if not is_whole[id(it)]]
-            one_call = [it for it in group if is_whole[id(it)]]
-            if phased:
-                steps.append((device, _C.AdamStep(phased)))
-            if one_call:
-                whole.append((device, _C.AdamStep(one_call)))
+        steps = [(d, _C.AdamStep(phased)) for d, (phased, _) in by_device.items() if phased]
+        whole = [(d, _C.AdamStep(one_call)) for d, (_, one_call) in by_device.items() if one_call]
         plan.payload = (steps, whole, list(buffers.values()), copies)
 
     def _run_update(self, plan: StepPlan) -> None:

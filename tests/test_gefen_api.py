@@ -675,6 +675,28 @@ def test_dlpack_protocol_fallback_for_producers_without_the_exchange_api():
         _C.AdamStep([item])
 
 
+def test_parameters_that_require_grad_cross_the_protocol_fallback_detached():
+    """The optimizer hands plain parameters to the extension as they are (no detach per
+    step): DLPack's exchange table reads them; a tensor type without it goes through
+    __dlpack__(), which torch refuses for a tensor that requires grad, so the extension
+    detaches it first. Same bits either way."""
+
+    class NoExchange(torch.nn.Parameter):
+        __dlpack_c_exchange_api__ = None  # the extension falls back to __dlpack__()
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(16, 32))
+    b = NoExchange(a.detach().clone())
+    assert b.requires_grad and type(b).__dlpack_c_exchange_api__ is None
+    opts = [gefen.Gefen([p], lr=1e-2, factored=f) for p, f in ((a, True), (b, True))]
+    for _ in range(3):
+        g = torch.randn(16, 32)
+        for p, opt in zip((a, b), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(a.detach(), b.detach())
+
+
 def test_deterministic_is_a_documented_no_op():
     """deterministic= is accepted and changes nothing (gefen is always deterministic)."""
     runs = []

@@ -53,11 +53,35 @@ static int keep_capsule(gefen_view_keep *keep, PyObject *capsule) {
 
 void gefen_view_keep_release(gefen_view_keep *keep) { Py_CLEAR(keep->capsules); }
 
+/* A tensor that requires grad, detached (a new reference; obj itself, with a
+ * new reference, otherwise): torch's __dlpack__() refuses one that requires
+ * grad, and the optimizer hands over its parameters as they are (the
+ * exchange API reads them directly). */
+static PyObject *detached(PyObject *obj) {
+  PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
+  if (!rg) { /* not a torch tensor */
+    PyErr_Clear();
+    Py_INCREF(obj);
+    return obj;
+  }
+  const int requires_grad = PyObject_IsTrue(rg);
+  Py_DECREF(rg);
+  if (requires_grad < 0) return NULL;
+  if (!requires_grad) {
+    Py_INCREF(obj);
+    return obj;
+  }
+  return PyObject_CallMethod(obj, "detach", NULL);
+}
+
 /* The __dlpack__() protocol: versioned capsule when the producer offers it. */
 static int dltensor_from_protocol(PyObject *obj, DLTensor *out, uint64_t *flags,
                                   gefen_view_keep *keep) {
   PyObject *capsule = NULL;
-  PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
+  PyObject *src = detached(obj);
+  if (!src) return -1;
+  PyObject *method = PyObject_GetAttrString(src, "__dlpack__");
+  Py_DECREF(src); /* the bound method holds it */
   if (!method) return -1;
   PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
   PyObject *args = PyTuple_New(0);
