@@ -8,12 +8,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 what=${1:-auto}
 nvcc=${NVCC:-nvcc}
 out="$root/kernels/test/build"
-mkdir -p "$out/core"
-cc=${CC:-gcc}
-for src in "$root"/csrc/core/*.c; do
-  "$cc" -std=c11 -O2 -ffp-contract=off -fopenmp -Wall -Wextra -Wno-missing-field-initializers \
-    -I "$root/csrc/core" -c "$src" -o "$out/core/$(basename "$src" .c).o"
-done
+bash "$root/tools/core_objects.sh" "$out/core" "${CC:-gcc}" -std=c11 -O2 -ffp-contract=off -fopenmp \
+  -Wall -Wextra -Wno-missing-field-initializers -I "$root/csrc/core"
 flags=(-std=c++17 -O2 --fmad=false -Werror all-warnings
        -Xcompiler -Wall,-Wextra,-ffp-contract=off,-Wno-missing-field-initializers
        -I "$root/csrc/core" -I "$root/kernels" -I "$root/kernels/test")

@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 mode=${1:-release}
 out="$root/tests/c/build/$mode"
-mkdir -p "$out/core"
+mkdir -p "$out"
 cc=${CC:-gcc}
 cflags=(-std=c11 -Wall -Wextra -Werror -Wno-missing-field-initializers -ffp-contract=off -fopenmp
         -I "$root/csrc/core")
@@ -18,13 +18,7 @@ case "$mode" in
                      -fno-sanitize-recover=all) ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
-jobs=$(nproc 2>/dev/null || echo 2)
-
-# the core: one object per source, compiled in parallel (a failed compile fails the run)
-rm -f "$out"/core/*.o
-printf '%s\n' "$root"/csrc/core/*.c |
-  xargs -P "$jobs" -I{} sh -c 'src=$1; shift; exec "$@" -c "$src" -o "$0/core/$(basename "$src" .c).o"' \
-    "$out" {} "$cc" "${cflags[@]}"
+bash "$root/tools/core_objects.sh" "$out/core" "$cc" "${cflags[@]}"
 core=("$out"/core/*.o)
 
 status=0
