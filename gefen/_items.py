@@ -19,7 +19,9 @@ class AdamItem:
     Block form: ``vmean`` is set and ``v_row``/``v_col``/``col_stats``/``row_stats`` are
     None. Factored form: ``vmean`` is None; ``col_stats`` (float64, ``cols + 1``) and
     ``row_stats`` (float64, local rows) are the phase-1 buffers, ``col_stats`` being
-    all-reduced over the ranks that share the parameter between the phases.
+    all-reduced over the ranks that share the parameter between the phases. On the CPU
+    they may be None: the plan then allocates them itself (what ``Gefen`` does for the
+    items of a whole step, whose column sums are not reduced).
     """
 
     name: str

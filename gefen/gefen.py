@@ -195,8 +195,9 @@ class Gefen(_QuantizedOptimizer):
         """Validated ``_C.AdamStep`` plans per device: one for the parameters that take
         the two phases (row-sharded or CUDA: the factored column sums are reduced between
         them) and one for the CPU parameters that take the whole step in one call
-        (``step()``, with ``momentum_in_stats``); the flat buffers of the factored column
-        sums (one per shard group), and the (parameter, contiguous copy) pairs to write back
+        (``step()``, with ``momentum_in_stats``; their factored statistics live in the C
+        plan); the flat buffers of the two-phase items' factored column sums (one per shard
+        group), and the (parameter, contiguous copy) pairs to write back
         for non-contiguous parameters."""
         items, copies = [], []
         seed = self._global_step
@@ -226,7 +227,7 @@ class Gefen(_QuantizedOptimizer):
             if codes is None:
                 codes = st["codes"]
             row_stats = col_key = None
-            if st["factored"]:
+            if st["factored"] and not whole:  # (a whole step's come from the C plan)
                 row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=device)
                 buf = buffers.setdefault(device, ShardBuffers(device))
                 col_key = (buf, *buf.reserve(v.layout, v.cols + 1))

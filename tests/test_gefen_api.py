@@ -378,6 +378,53 @@ def _adam_item(**changes):
     return AdamItem(**fields)
 
 
+def test_cpu_plan_allocates_the_factored_statistics_it_is_not_given():
+    """A CPU factored item may leave col_stats/row_stats None (Gefen's whole-step items):
+    the plan allocates them, with the same bits as buffers handed in, through step() and
+    through factored_stats() + update()."""
+    from gefen import _C
+
+    torch.manual_seed(0)
+    p0 = torch.nn.Parameter(torch.randn(12, 40))
+    opt = gefen.Gefen([p0], lr=1e-3)
+    p0.grad = torch.randn_like(p0)
+    opt.step()
+    quantizer = _C.Quantizer(opt._codebook)
+
+    def items(given):
+        torch.manual_seed(1)
+        out = []
+        for i, (rows, cols) in enumerate(((12, 40), (7, 9), (1, 64))):
+            out.append(_adam_item(
+                name=f"w{i}", param=torch.randn(rows, cols), grad=torch.randn(rows, cols),
+                codes=torch.randint(0, 256, (rows, cols), dtype=torch.uint8),
+                magnitude=torch.rand(rows, 1), vmean=None, v_row=torch.rand(rows),
+                v_col=torch.rand(cols), period=cols, global_rows=rows, step=3,
+                col_stats=torch.full((cols + 1,), 7.0, dtype=torch.float64) if given else None,
+                row_stats=torch.full((rows,), 7.0, dtype=torch.float64) if given else None,
+            ))
+        return out
+
+    def state(its):
+        return [t.clone() for it in its for t in (it.param, it.codes, it.magnitude, it.v_row, it.v_col)]
+
+    for phased in (False, True):
+        runs = []
+        for given in (True, False):
+            its = items(given)
+            plan = _C.AdamStep(its)
+            assert plan.factored
+            for _ in range(2):
+                if phased:
+                    plan.factored_stats(1)
+                    plan.update(quantizer, 1)
+                else:
+                    plan.step(quantizer, 2)
+            runs.append(state(its))
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        assert not torch.equal(runs[0][0], items(True)[0].param)  # the step changed something
+
+
 def test_c_extension_checks_state_tensors():
     from gefen import _C
 

@@ -493,6 +493,7 @@ typedef struct {
   gefen_view_keep keep;
   DLDevice device;
   int factored; /* AdamStep: some item has the factored form */
+  double *scratch; /* AdamStep on the CPU: the statistics of items that gave none */
 } StepPlan;
 
 typedef int (*parse_fn)(PyObject *item, PyObject *refs, void *it, const char **name,
@@ -508,8 +509,42 @@ static int parse_muon_any(PyObject *item, PyObject *refs, void *it, const char *
   return parse_muon_item(item, refs, (gefen_muon_item *)it, name, keep, sp, device);
 }
 
+/* AdamStep on the CPU: factored items whose col_stats and row_stats are None
+ * (a whole step, CPU parameters that are not row-sharded: nothing is reduced
+ * between the phases) get them from one block the plan owns, allocated here,
+ * before anything runs. The core zeroes and fills them in phase 1. */
+static int adam_scratch(StepPlan *self) {
+  gefen_adam_item *items = self->items;
+  int64_t total = 0;
+  for (Py_ssize_t i = 0; i < self->n; i++) {
+    if (items[i].vmean) continue; /* block form */
+    if (!items[i].col_stats) total += items[i].cols + 1;
+    if (!items[i].row_stats) total += items[i].rows;
+  }
+  if (total == 0) return 0;
+  self->scratch = PyMem_Malloc((size_t)total * sizeof(double));
+  if (!self->scratch) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  double *at = self->scratch;
+  for (Py_ssize_t i = 0; i < self->n; i++) {
+    if (items[i].vmean) continue;
+    if (!items[i].col_stats) {
+      items[i].col_stats = at;
+      at += items[i].cols + 1;
+    }
+    if (!items[i].row_stats) {
+      items[i].row_stats = at;
+      at += items[i].rows;
+    }
+  }
+  return 0;
+}
+
 static void plan_dealloc(StepPlan *self) {
   PyTypeObject *tp = Py_TYPE(self);
+  PyMem_Free(self->scratch);
   gefen_view_keep_release(&self->keep);
   Py_XDECREF(self->refs);
   PyMem_Free(self->items);
@@ -539,6 +574,7 @@ static PyObject *plan_build(PyTypeObject *type, PyObject *args, PyObject *kwargs
   self->refs = PyList_New(0);
   self->keep.capsules = NULL;
   self->factored = 0;
+  self->scratch = NULL;
   self->device.device_type = kDLCPU;
   self->device.device_id = 0;
   span *spans = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *spans);
@@ -555,6 +591,7 @@ static PyObject *plan_build(PyTypeObject *type, PyObject *args, PyObject *kwargs
          check_one_device(&opt, dev, self->names[i], i) == 0;
   }
   if (ok) ok = check_disjoint(spans, n, self->names) == 0;
+  if (ok && is_adam && n > 0 && opt.device.device_type == kDLCPU) ok = adam_scratch(self) == 0;
   if (ok) {
     gefen_error err;
     gefen_status st = is_adam ? gefen_adam_validate((const gefen_adam_item *)self->items, n, &err)
