@@ -47,10 +47,13 @@ class StepPlan:
                 return st
         return opt.state[key]
 
-    def codes_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> torch.Tensor:
-        """The local codes the update writes (a re-expressed copy on refresh steps)."""
+    def codes_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor, st: dict | None = None) -> torch.Tensor:
+        """The local codes the update writes (a re-expressed copy on refresh steps);
+        ``st``: the parameter's :meth:`state_of`, when the caller has it already."""
         codes = self.new_codes.get(key) if self.new_codes else None
-        return codes if codes is not None else local(self.state_of(opt, key)["codes"])
+        if codes is not None:
+            return codes
+        return local((st if st is not None else self.state_of(opt, key))["codes"])
 
     def lr(self, group: dict) -> float:
         return self.lrs[id(group)]
@@ -360,13 +363,8 @@ class _QuantizedOptimizer(Optimizer):
         """Run a prepared step, then install new state (and the new codebook and codes
         when it was relearned) and count the step."""
         self._run_update(plan)
-        if plan.pending:
-            for v in plan.views:
-                plan.state_of(self, v.key)["step"] += 1
-        else:  # every stepped parameter has its state already (most steps)
-            state = self.state
-            for v in plan.views:
-                state[v.key]["step"] += 1
+        for v in plan.views:
+            plan.state_of(self, v.key)["step"] += 1
         self._install(plan)
 
     def _check_step_inputs(self, views: list[ParamView]) -> None:

@@ -181,7 +181,7 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
     """The view of one parameter; ``placement``: its cached :func:`place`."""
     pl = placement if placement is not None else place(key, name)
     layout = pl.layout
-    lp = key._local_tensor.detach() if layout.distributed else key  # a detach costs ~1 us
+    lp = local(key).detach() if layout.distributed else key  # a detach costs ~1 us
     g = key.grad
     if g is not None:
         lg = getattr(g, "_local_tensor", None)

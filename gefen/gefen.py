@@ -223,23 +223,17 @@ class Gefen(_QuantizedOptimizer):
                 p = pc
             device = _CPU if p.is_cpu else p.device  # (p.device costs ~0.4 us)
             whole = _WHOLE_CPU_STEP and device is _CPU and not v.layout.sharded
-            codes = plan.new_codes.get(v.key) if plan.new_codes else None
-            if codes is None:
-                codes = st["codes"]
             row_stats = col_key = None
             if st["factored"] and not whole:  # (a whole step's come from the C plan)
                 row_stats = torch.empty(v.local_rows, dtype=torch.float64, device=device)
                 buf = buffers.setdefault(device, ShardBuffers(device))
                 col_key = (buf, *buf.reserve(v.layout, v.cols + 1))
+            mag, vmean, v_row, v_col = st["magnitude"], st.get("vmean"), st.get("v_row"), st.get("v_col")
             if v.layout.distributed:  # DTensor state: its local shards
-                codes, mag, vmean, v_row, v_col = (
-                    local(t) for t in (codes, st["magnitude"], st.get("vmean"), st.get("v_row"), st.get("v_col"))
-                )
-            else:
-                mag, vmean, v_row, v_col = st["magnitude"], st.get("vmean"), st.get("v_row"), st.get("v_col")
+                mag, vmean, v_row, v_col = (local(t) for t in (mag, vmean, v_row, v_col))
             item = AdamItem(
-                name=v.name, param=p, grad=v.grad.contiguous(), codes=codes, magnitude=mag,
-                vmean=vmean, v_row=v_row, v_col=v_col, col_stats=None, row_stats=row_stats,
+                name=v.name, param=p, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key, st),
+                magnitude=mag, vmean=vmean, v_row=v_row, v_col=v_col, col_stats=None, row_stats=row_stats,
                 period=st["period"], row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1,
                 seed=seed, momentum_in_stats=whole and _MOMENTUM_IN_STATS, **h,
             )

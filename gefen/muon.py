@@ -424,15 +424,14 @@ class GefenMuon(_QuantizedOptimizer):
             steps = []
             for chunk in chunks:
                 outs = self._chunk_outputs(chunk, scratch)
-                items = [
-                    MuonItem(
-                        name=v.name, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key),
-                        magnitude=local(plan.state_of(self, v.key)["magnitude"]), out=out,
-                        period=int(plan.state_of(self, v.key)["period"]),
+                items = []
+                for v, out in zip(chunk, outs):
+                    st = plan.state_of(self, v.key)
+                    items.append(MuonItem(
+                        name=v.name, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key, st),
+                        magnitude=local(st["magnitude"]), out=out, period=int(st["period"]),
                         beta=float(v.group["momentum"]), nesterov=bool(v.group["nesterov"]),
-                    )
-                    for v, out in zip(chunk, outs)
-                ]
+                    ))
                 steps.append((chunk, outs, _C.MuonStep(items)))
             payload.append((device, steps))
         plan.payload = payload

@@ -735,7 +735,7 @@ def test_parameters_that_require_grad_cross_the_protocol_fallback_detached():
     a = torch.nn.Parameter(torch.randn(16, 32))
     b = NoExchange(a.detach().clone())
     assert b.requires_grad and type(b).__dlpack_c_exchange_api__ is None
-    opts = [gefen.Gefen([p], lr=1e-2, factored=f) for p, f in ((a, True), (b, True))]
+    opts = [gefen.Gefen([p], lr=1e-2) for p in (a, b)]
     for _ in range(3):
         g = torch.randn(16, 32)
         for p, opt in zip((a, b), opts):
