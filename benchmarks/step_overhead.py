@@ -7,6 +7,10 @@ in the extension).
 
     python benchmarks/step_overhead.py [--sizes 16M] [--dtypes fp32] [--steps 10]
     python benchmarks/step_overhead.py --quick       # seconds
+    python benchmarks/step_overhead.py --full        # without the kept step plan
+
+After the first steps Gefen runs the C plan it kept (``AdamStep.restep``); the C calls of
+such a step are that one call. ``--full`` times the path every step took before.
 """
 
 from __future__ import annotations
@@ -82,16 +86,24 @@ class CallTimer:
             setattr(_ext._C, name, fn)
 
 
-def profile(name: str, named, steps: int, warmup: int):
+def profile(name: str, named, steps: int, warmup: int, full: bool = False):
     opt = C.make_optimizer(name, named, lr=1e-4, weight_decay=0.01)
+    if full:  # never keep a step's plan: every step builds and parses its items
+        opt._keep_steady = lambda plan: None
     for _ in range(warmup):
         opt.step()
     totals, parts = [], collections.defaultdict(list)
     for _ in range(steps):
         with CallTimer() as ct:
+            steady = opt.__dict__.get("_steady")
+            if steady is not None:  # the plan kept from an earlier step (gefen/_steady.py)
+                steady.plan = _TimedPlan(ct, "AdamStep", steady.plan)
             t0 = time.perf_counter()
             opt.step()
             totals.append(time.perf_counter() - t0)
+            kept = opt.__dict__.get("_steady")  # (the same, or one this step built)
+            if kept is not None and isinstance(kept.plan, _TimedPlan):
+                kept.plan = kept.plan._plan
         for k, v in ct.times.items():
             parts[k].append(v)
         parts["(outside C)"].append(totals[-1] - sum(ct.times.values()))
@@ -106,27 +118,31 @@ def main(argv=None) -> int:
     p.add_argument("--optimizers", default="gefen,gefen-block")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="1M only, 3 timed steps, 1 warmup")
+    p.add_argument("--quick", action="store_true", help="1M only, 3 timed steps, 2 warmup")
+    p.add_argument("--full", action="store_true",
+                   help="never run a kept step plan (gefen/_steady.py): every step takes the "
+                        "full path, building and parsing its items")
     C.add_common_args(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.sizes, a.steps, a.warmup = "1M", 3, 1
+        a.sizes, a.steps, a.warmup = "1M", 3, 2  # two: the first step learns, the second keeps its plan
     C.set_threads(a.threads)
     C.print_header("gefen step: C core vs the rest",
-                   {"sizes": a.sizes, "dtypes": a.dtypes, "optimizers": a.optimizers})
+                   {"sizes": a.sizes, "dtypes": a.dtypes, "optimizers": a.optimizers,
+                    "path": "full" if a.full else "steady (a kept plan after the first steps)"})
     results = []
     for dname in C.parse_list(a.dtypes):
         for size in C.parse_list(a.sizes):
             for name in C.parse_list(a.optimizers):
                 named = ST.build_params(size, ST.DTYPES[dname], torch.device("cpu"), 0, False)
-                total, parts = profile(name, named, a.steps, a.warmup)
+                total, parts = profile(name, named, a.steps, a.warmup, a.full)
                 row = "  ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(parts.items()))
                 print(f"{size:>4} {dname:>5} {name:<12} step {total * 1e3:8.3f} ms | {row} ms")
                 results.append({"set": size, "dtype": dname, "optimizer": name,
                                 "step_ms": total * 1e3,
                                 "parts_ms": {k: v * 1e3 for k, v in parts.items()}})
     C.write_json(a.json, {"benchmark": "step_overhead", "machine": C.machine_info(),
-                          "results": results})
+                          "path": "full" if a.full else "steady", "results": results})
     return 0
 
 

@@ -108,6 +108,7 @@ class _QuantizedOptimizer(Optimizer):
             raise
         self.__dict__.setdefault("_header_cache", {}).clear()
         self.__dict__.setdefault("_layout_cache", {}).clear()
+        self.__dict__.pop("_steady", None)  # (a kept plan would notice; this frees it now)
 
     def _check_group(self, group: dict) -> None:
         """Raise for an invalid hyper-parameter of ``group`` (subclasses extend)."""
@@ -137,6 +138,7 @@ class _QuantizedOptimizer(Optimizer):
         """
         new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
         install_rebind(self, new_params)
+        self.__dict__.pop("_steady", None)
         self._header_cache = {}
         self._layout_cache = {}
         self._codebook_copies = {}
@@ -282,10 +284,21 @@ class _QuantizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._steady_step():
+            return loss
         plan = self._prepare_step()
         if plan is not None:
             self._apply_step(plan)
+            self._keep_steady(plan)
         return loss
+
+    def _steady_step(self) -> bool:
+        """Kinds that keep a step's plan for the next steps run it here (True: stepped);
+        the base keeps none."""
+        return False
+
+    def _keep_steady(self, plan: StepPlan) -> None:
+        """After a full step that succeeded: a kind may keep its plan (the base does not)."""
 
     def _local_checks(self) -> tuple[list[ParamView], dict[int, float]]:
         """Every check this rank can make alone: layouts, gradients, groups and the
@@ -384,6 +397,10 @@ class _QuantizedOptimizer(Optimizer):
                     st["codebook"] = self._codebook_on(v)
                     self.state[v.key] = st
             _checkpoint.update_state_counts(self)  # (they change only here and on loads)
+        self._count_global_step()
+
+    def _count_global_step(self) -> None:
+        """One more step of the optimizer, written into every state that records it."""
         self._global_step += 1
         for st in self.state.values():
             if "global_step" in st:
@@ -443,6 +460,7 @@ class _QuantizedOptimizer(Optimizer):
 
     def _install_load(self, checked: dict) -> None:
         """Convert and install a validated (and agreed) load; run the post-hooks."""
+        self.__dict__.pop("_steady", None)  # it holds the old state
         _checkpoint.install(self, checked, self._convert_loaded)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

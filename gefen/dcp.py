@@ -215,6 +215,7 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
     for child in _children(optimizer):
         if any(c is child for c, _, _ in plans):
             child._prepared = True
+            child.__dict__.pop("_steady", None)  # a kept step plan holds the old state
             update_state_counts(child)
     if any(not isinstance(c, _QuantizedOptimizer) for c, _, _ in plans) and hasattr(optimizer, "_children"):
         optimizer._prepared = True

@@ -14,6 +14,7 @@ from ._device import stream_of
 from ._ext import _C
 from ._items import AdamItem
 from ._layout import as_float, rows_cols
+from ._steady import HYPER_FIELDS, SteadyStep, group_hyper
 from ._state import COMMON_KEYS, StateError, as_int, check_keys, check_tensor
 from ._views import ParamView, local, make_replicated, make_row_state
 
@@ -210,12 +211,7 @@ class Gefen(_QuantizedOptimizer):
             group = v.group
             h = hyper.get(id(group))
             if h is None:
-                beta1, beta2 = group["betas"]
-                h = hyper[id(group)] = dict(
-                    lr=plan.lr(group), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    stochastic_round=bool(group["stochastic_round"]),
-                )
+                h = hyper[id(group)] = dict(zip(HYPER_FIELDS, group_hyper(group, plan.lr(group))))
             p = v.param
             if not p.is_contiguous():
                 pc = p.contiguous()
@@ -247,7 +243,7 @@ class Gefen(_QuantizedOptimizer):
                 buf, k, off = key
                 item.col_stats = buf.view(k, off, item.v_col.numel() + 1)
         steps = [(d, _C.AdamStep(phased)) for d, (phased, _) in by_device.items() if phased]
-        whole = [(d, _C.AdamStep(one_call)) for d, (_, one_call) in by_device.items() if one_call]
+        whole = [(d, _C.AdamStep(one_call), one_call) for d, (_, one_call) in by_device.items() if one_call]
         plan.payload = (steps, whole, list(buffers.values()), copies)
 
     def _run_update(self, plan: StepPlan) -> None:
@@ -265,9 +261,35 @@ class Gefen(_QuantizedOptimizer):
             raise error
         # the whole steps (no reduction needed) fail, if at all, before changing anything,
         # as an update does; they come first so that a failure leaves every plan unapplied
-        for _device, step in whole:
+        for _device, step, _items in whole:
             step.step(plan.quantizer, nt)
         for device, step in steps:
             step.update(plan.quantizer, nt, stream_of(device), self._device_table(plan.quantizer, device))
         for p, pc in copies:
             p.copy_(pc)
+
+    # ------------------------------------------------------------ steady steps
+
+    def _steady_step(self) -> bool:
+        """Run the step with the plan kept from the last one (``gefen._steady``) when it
+        still fits; False when there is none or it does not fit."""
+        steady = self.__dict__.get("_steady")
+        if steady is not None and steady.run(self):
+            return True
+        self._steady = None
+        return False
+
+    def _keep_steady(self, plan: StepPlan) -> None:
+        """After a full step: keep its C plan for the next steps when the step was
+        steady (no state created or relearned) and every parameter stepped is a plain CPU
+        parameter that took the whole step in one call."""
+        steps, whole, buffers, copies = plan.payload
+        if (plan.pending or plan.new_codebook is not None or plan.new_codes or steps or buffers
+                or copies or len(whole) != 1 or plan.quantizer is not self._quantizer
+                or self._comm.distributed(plan.params)):
+            return
+        device, _step, items = whole[0]
+        if device is not _CPU or len(items) != len(plan.views):
+            return
+        self._steady = SteadyStep(self, [v.key for v in plan.views], items,
+                                  (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS))

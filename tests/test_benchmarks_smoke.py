@@ -143,16 +143,20 @@ def test_loss_parity_benchmark_trains_every_optimizer(tmp_path):
 
 def test_step_overhead_times_the_c_calls_of_a_step(tmp_path):
     # the C work of a step runs in the methods of the plans _C builds (AdamStep.step for
-    # CPU parameters): the benchmark must time those, not only their construction
-    result = _run("step_overhead.py", "--optimizers", "gefen,gefen-block", "--dtypes",
-                  "fp32,bf16", tmp_path=tmp_path)
-    rows = result["results"]
-    assert [(r["optimizer"], r["dtype"]) for r in rows] == [
-        ("gefen", "fp32"), ("gefen-block", "fp32"), ("gefen", "bf16"), ("gefen-block", "bf16")]
-    for r in rows:
-        parts = r["parts_ms"]
-        assert r["step_ms"] > 0 and parts["AdamStep.step"] > 0 and parts["AdamStep"] > 0
-        assert parts["AdamStep.step"] < r["step_ms"] and parts["(outside C)"] < r["step_ms"]
+    # CPU parameters, AdamStep.restep once a plan is kept): the benchmark must time
+    # those, not only their construction
+    for path, calls in (("steady", ("AdamStep.restep",)), ("full", ("AdamStep", "AdamStep.step"))):
+        result = _run("step_overhead.py", "--optimizers", "gefen,gefen-block", "--dtypes",
+                      "fp32,bf16", *(["--full"] if path == "full" else []), tmp_path=tmp_path)
+        assert result["path"] == path
+        rows = result["results"]
+        assert [(r["optimizer"], r["dtype"]) for r in rows] == [
+            ("gefen", "fp32"), ("gefen-block", "fp32"), ("gefen", "bf16"), ("gefen-block", "bf16")]
+        for r in rows:
+            parts = r["parts_ms"]
+            assert r["step_ms"] > 0 and all(parts[c] > 0 for c in calls), parts
+            assert set(parts) == {"(outside C)", *calls}, parts
+            assert parts[calls[-1]] < r["step_ms"] and parts["(outside C)"] < r["step_ms"]
 
 
 def test_muon_momentum_runs_the_step_plan(tmp_path):

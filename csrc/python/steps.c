@@ -494,6 +494,7 @@ typedef struct {
   DLDevice device;
   int factored; /* AdamStep: some item has the factored form */
   double *scratch; /* AdamStep on the CPU: the statistics of items that gave none */
+  void *work;      /* AdamStep.restep(): the items with this step's gradients (n items) */
 } StepPlan;
 
 typedef int (*parse_fn)(PyObject *item, PyObject *refs, void *it, const char **name,
@@ -545,6 +546,7 @@ static int adam_scratch(StepPlan *self) {
 static void plan_dealloc(StepPlan *self) {
   PyTypeObject *tp = Py_TYPE(self);
   PyMem_Free(self->scratch);
+  PyMem_Free(self->work);
   gefen_view_keep_release(&self->keep);
   Py_XDECREF(self->refs);
   PyMem_Free(self->items);
@@ -575,6 +577,7 @@ static PyObject *plan_build(PyTypeObject *type, PyObject *args, PyObject *kwargs
   self->keep.capsules = NULL;
   self->factored = 0;
   self->scratch = NULL;
+  self->work = NULL;
   self->device.device_type = kDLCPU;
   self->device.device_id = 0;
   span *spans = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *spans);
@@ -700,6 +703,119 @@ static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kw
   return plan_run(self, args, kwargs, PHASE_MOMENTUM);
 }
 
+/* ---------------------------------------------------------- steady steps
+ *
+ * AdamStep.restep(): a CPU plan kept across steps (Gefen's steady step, built
+ * with each item's parameter in place of its gradient, so that it holds no
+ * gradient between steps) runs again with this step's gradients, step
+ * counters and hyper-parameters. Every tensor it re-reads must match what the
+ * plan parsed -- the parameter at the same address, contiguous, of the same
+ * dtype and shape on the same device, its gradient likewise -- or nothing runs
+ * and it returns False: the caller then takes the full path, which raises
+ * the error that input deserves or builds a new plan. */
+
+/* The hyper-parameters of one item: (lr, beta1, beta2, eps, weight_decay,
+ * stochastic_round). 0, or -1 (no exception set) when they do not parse. */
+static int restep_hyper(PyObject *h, gefen_adam_item *it) {
+  if (!PyTuple_Check(h) || PyTuple_Size(h) != 6) return -1;
+  double *dst[5] = {&it->lr, &it->beta1, &it->beta2, &it->eps, &it->weight_decay};
+  for (int k = 0; k < 5; k++) {
+    *dst[k] = PyFloat_AsDouble(PyTuple_GetItem(h, k));
+    if (*dst[k] == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return -1;
+    }
+  }
+  const int sr = PyObject_IsTrue(PyTuple_GetItem(h, 5));
+  if (sr < 0) {
+    PyErr_Clear();
+    return -1;
+  }
+  it->stochastic_round = sr;
+  return 0;
+}
+
+/* Item i of the plan with this step's tensors and scalars into *out: 1 when
+ * they match the plan, 0 when not (no exception set). */
+static int restep_item(const StepPlan *self, Py_ssize_t i, PyObject *p_obj, PyObject *g_obj,
+                       PyObject *step_obj, PyObject *h_obj, gefen_view_keep *keep,
+                       gefen_adam_item *out) {
+  const gefen_adam_item *it = (const gefen_adam_item *)self->items + i;
+  const char *name = self->names[i];
+  gefen_view p, g;
+  if (gefen_view_get(p_obj, &p, keep, name, "the parameter") != 0 ||
+      gefen_view_get(g_obj, &g, keep, name, "the gradient") != 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  if (p.data != it->param || !p.contiguous || !g.contiguous ||
+      gefen_view_core_dtype(p.dtype) != (int)it->dtype ||
+      gefen_view_core_dtype(g.dtype) != (int)it->dtype || p.rows != it->rows ||
+      p.cols != it->cols || !gefen_view_same_shape(&p, &g) ||
+      !same_device(p.device, self->device) || !same_device(g.device, self->device))
+    return 0;
+  const long long step = PyLong_AsLongLong(step_obj);
+  if (step == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  *out = *it;
+  if (restep_hyper(h_obj, out) != 0) return 0;
+  out->grad = g.data;
+  out->step = step;
+  return 1;
+}
+
+static PyObject *adam_step_restep(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  static char *kw[] = {"params", "grads", "steps", "hypers", "seed", "quantizer", "nthreads", NULL};
+  PyObject *params, *grads, *steps, *hypers, *qobj;
+  unsigned long long seed;
+  int nthreads = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!KO!|i", kw, &PyList_Type, &params,
+                                   &PyList_Type, &grads, &PyList_Type, &steps, &PyList_Type,
+                                   &hypers, &seed, GefenQuantizer_Type, &qobj, &nthreads))
+    return NULL;
+  const Py_ssize_t n = self->n;
+  if (PyList_Size(params) != n || PyList_Size(grads) != n ||
+      PyList_Size(steps) != n || PyList_Size(hypers) != n) {
+    PyErr_Format(PyExc_ValueError, "AdamStep.restep: the plan has %zd items; params, grads, "
+                 "steps and hypers must have one entry each", n);
+    return NULL;
+  }
+  if (self->device.device_type != kDLCPU) {
+    PyErr_SetString(PyExc_RuntimeError, "AdamStep.restep() runs on the CPU only");
+    return NULL;
+  }
+  if (n == 0) Py_RETURN_TRUE;
+  if (!self->work && !(self->work = PyMem_Malloc((size_t)n * sizeof(gefen_adam_item))))
+    return PyErr_NoMemory();
+  gefen_adam_item *work = self->work;
+  gefen_view_keep keep = {NULL}; /* the fallback protocol's capsules, until the step ends */
+  int match = 1;
+  for (Py_ssize_t i = 0; match && i < n; i++) {
+    match = restep_item(self, i, PyList_GetItem(params, i), PyList_GetItem(grads, i),
+                        PyList_GetItem(steps, i), PyList_GetItem(hypers, i), &keep, &work[i]);
+    work[i].seed = seed;
+  }
+  if (!match) {
+    gefen_view_keep_release(&keep);
+    Py_RETURN_FALSE;
+  }
+  const gefen_quantizer *q = ((GefenQuantizer *)qobj)->q;
+  const int nt = get_nthreads(nthreads);
+  gefen_error err;
+  gefen_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = gefen_adam_step(work, n, q, nt, &err);
+  Py_END_ALLOW_THREADS
+  gefen_view_keep_release(&keep);
+  if (st != GEFEN_OK) {
+    raise_core(st, &err, self->names, n);
+    return NULL;
+  }
+  Py_RETURN_TRUE;
+}
+
 static PyObject *plan_len(StepPlan *self, void *closure) {
   (void)closure;
   return PyLong_FromSsize_t(self->n);
@@ -729,6 +845,13 @@ static PyMethodDef adam_step_methods[] = {
      "the bits are those of factored_stats() then update(). Allocates everything before the "
      "first write: when it raises, no item has changed. stream and device_table are accepted "
      "for symmetry with update() and ignored."},
+    {"restep", PLAN_KW(adam_step_restep),
+     "restep(params, grads, steps, hypers, seed, quantizer, nthreads=0) -> bool: step() again "
+     "(CPU only) with this step's gradients, step counters and hyper-parameters (lists with one "
+     "entry per item; hypers: (lr, beta1, beta2, eps, weight_decay, stochastic_round) tuples). "
+     "Returns False, having run nothing, when a parameter or gradient differs from what the "
+     "plan parsed (address of the parameter, dtype, shape, contiguity, device) or a scalar does "
+     "not parse; the plan keeps no gradient after the call."},
     {NULL, NULL, 0, NULL}};
 
 static PyMethodDef muon_step_methods[] = {
