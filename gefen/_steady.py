@@ -65,9 +65,12 @@ class SteadyStep:
         # the plan holds no gradient between steps: each item's parameter stands in for it
         self.plan = _C.AdamStep([dataclasses.replace(it, grad=it.param) for it in items])
 
-    def run(self, opt) -> bool:
+    def run(self, opt, switches) -> bool:
         """Step ``opt`` with the kept plan; False (nothing changed) when it no longer
-        fits, and the caller takes the full path."""
+        fits, and the caller takes the full path. ``switches``: the optimizer module's
+        internal switches now (tests flip them), compared with those of the build."""
+        if switches != self.switches:
+            return False
         try:
             inputs = self._inputs(opt)
         except Exception:  # the full path makes the same checks and raises properly
@@ -87,10 +90,7 @@ class SteadyStep:
         """This step's gradients, step counters and hyper-parameters, or None when the
         plan does not describe the optimizer any more (raises what the full path's checks
         would raise, which the caller treats as None)."""
-        from . import gefen as _gefen  # the module's switches (tests flip them)
-
-        if (opt._prepared or opt._quantizer is not self.quantizer or opt._refresh_due()
-                or (_gefen._WHOLE_CPU_STEP, _gefen._MOMENTUM_IN_STATS) != self.switches):
+        if opt._prepared or opt._quantizer is not self.quantizer or opt._refresh_due():
             return None
         groups = opt.param_groups
         if len(groups) != len(self.group_ids):

@@ -14,8 +14,8 @@ from ._device import stream_of
 from ._ext import _C
 from ._items import AdamItem
 from ._layout import as_float, rows_cols
-from ._steady import HYPER_FIELDS, SteadyStep, group_hyper
 from ._state import COMMON_KEYS, StateError, as_int, check_keys, check_tensor
+from ._steady import HYPER_FIELDS, SteadyStep, group_hyper
 from ._views import ParamView, local, make_replicated, make_row_state
 
 __all__ = ["Gefen"]
@@ -274,7 +274,7 @@ class Gefen(_QuantizedOptimizer):
         """Run the step with the plan kept from the last one (``gefen._steady``) when it
         still fits; False when there is none or it does not fit."""
         steady = self.__dict__.get("_steady")
-        if steady is not None and steady.run(self):
+        if steady is not None and steady.run(self, (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS)):
             return True
         self._steady = None
         return False

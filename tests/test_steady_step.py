@@ -69,8 +69,8 @@ def runs(monkeypatch):
     seen = {}
     real = _steady.SteadyStep.run
 
-    def run(self, opt):
-        ok = real(self, opt)
+    def run(self, opt, switches):
+        ok = real(self, opt, switches)
         seen.setdefault(id(opt), []).append(ok)
         return ok
 
