@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--quick", action="store_true", help="a 4-layer d=256 model (seconds)")
+    p.add_argument("--full", action="store_true",
+                   help="gefen keeps no step plan (gefen/_steady.py): every step takes the full "
+                        "path, building and parsing its items and agreeing on the whole header")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -100,6 +103,8 @@ def worker(rank: int, world: int, init: str, a, out) -> None:
     results = {}
     for name in C.parse_list(a.optimizers):
         opt = build_optimizer(name, model)
+        if a.full and name.startswith("gefen"):
+            opt._keep_steady = lambda plan: None
         times = []
         for i in range(a.warmup + a.steps):
             for p, g in zip(params, grads):
@@ -128,7 +133,8 @@ def main(argv=None):
     a = parse_args(argv)
     C.print_header("sharded optimizer step (FSDP2, gloo, CPU)",
                    {"ranks": a.ranks, "steps": a.steps, "dtype": a.dtype,
-                    "model": "4-layer d=256 GPT" if a.quick else "GPT-2-small shape (124.4M)"})
+                    "model": "4-layer d=256 GPT" if a.quick else "GPT-2-small shape (124.4M)",
+                    "gefen path": "full" if a.full else "steady (kept plans after the first steps)"})
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

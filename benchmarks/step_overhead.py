@@ -9,8 +9,9 @@ in the extension).
     python benchmarks/step_overhead.py --quick       # seconds
     python benchmarks/step_overhead.py --full        # without the kept step plan
 
-After the first steps Gefen runs the C plan it kept (``AdamStep.restep``); the C calls of
-such a step are that one call. ``--full`` times the path every step took before.
+After the first steps Gefen runs the C plans it kept: their C calls are ``rebind`` (this
+step's gradients), the step itself and ``unbind``. ``--full`` times the path every step
+took before (a plan built and parsed every step).
 """
 
 from __future__ import annotations
@@ -86,6 +87,20 @@ class CallTimer:
             setattr(_ext._C, name, fn)
 
 
+def _time_kept(opt, timer) -> None:
+    """Time the C plans a Gefen optimizer kept from an earlier step (gefen/_steady.py)
+    with ``timer``, or (None) untime them."""
+    steady = opt.__dict__.get("_steady")
+    if steady is None:
+        return
+    for parts in (steady.phased, steady.whole):
+        for i, (device, plan, idx) in enumerate(parts):
+            plan = plan._plan if isinstance(plan, _TimedPlan) else plan
+            parts[i] = (device, plan if timer is None else _TimedPlan(timer, "AdamStep", plan), idx)
+    if steady.single is not None:
+        steady.single = (steady.phased + steady.whole)[0][1]
+
+
 def profile(name: str, named, steps: int, warmup: int, full: bool = False):
     opt = C.make_optimizer(name, named, lr=1e-4, weight_decay=0.01)
     if full:  # never keep a step's plan: every step builds and parses its items
@@ -95,15 +110,11 @@ def profile(name: str, named, steps: int, warmup: int, full: bool = False):
     totals, parts = [], collections.defaultdict(list)
     for _ in range(steps):
         with CallTimer() as ct:
-            steady = opt.__dict__.get("_steady")
-            if steady is not None:  # the plan kept from an earlier step (gefen/_steady.py)
-                steady.plan = _TimedPlan(ct, "AdamStep", steady.plan)
+            _time_kept(opt, ct)
             t0 = time.perf_counter()
             opt.step()
             totals.append(time.perf_counter() - t0)
-            kept = opt.__dict__.get("_steady")  # (the same, or one this step built)
-            if kept is not None and isinstance(kept.plan, _TimedPlan):
-                kept.plan = kept.plan._plan
+            _time_kept(opt, None)  # (the same plans, or those this step kept)
         for k, v in ct.times.items():
             parts[k].append(v)
         parts["(outside C)"].append(totals[-1] - sum(ct.times.values()))

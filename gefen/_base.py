@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _checkpoint
-from ._comm import FLAG_ANY_GRAD, FLAG_ANY_LR, Comm
+from ._comm import FLAG_ANY_GRAD, FLAG_ANY_LR, FLAG_NO_KEEP, Comm
 from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
@@ -38,6 +38,7 @@ class StepPlan:
     quantizer: Any = None
     new_codes: dict = field(default_factory=dict)  # key -> codes re-expressed in the new codebook
     payload: Any = None  # the kind's prepared kernel inputs
+    keep: bool = False  # every rank can keep this step's plan for the next steps (agreed)
 
     def state_of(self, opt: "_QuantizedOptimizer", key: torch.Tensor) -> dict:
         """The state a parameter is stepped with (new or existing)."""
@@ -284,9 +285,10 @@ class _QuantizedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._comm.stats.reset_step()  # (a kept plan's agreement counts in this step)
         if self._steady_step():
             return loss
-        plan = self._prepare_step()
+        plan = self._prepare_step(reset_stats=False)
         if plan is not None:
             self._apply_step(plan)
             self._keep_steady(plan)
@@ -298,7 +300,13 @@ class _QuantizedOptimizer(Optimizer):
         return False
 
     def _keep_steady(self, plan: StepPlan) -> None:
-        """After a full step that succeeded: a kind may keep its plan (the base does not)."""
+        """After a full step that succeeded: a kind may keep its plan when ``plan.keep``
+        (every rank can); the base keeps none."""
+
+    def _can_keep(self, plan: StepPlan) -> bool:
+        """Whether this rank could keep the prepared ``plan`` for the next steps (its
+        verdict joins the step's agreement, so that every rank keeps a plan or none)."""
+        return False
 
     def _local_checks(self) -> tuple[list[ParamView], dict[int, float]]:
         """Every check this rank can make alone: layouts, gradients, groups and the
@@ -319,14 +327,17 @@ class _QuantizedOptimizer(Optimizer):
         self._check_step_inputs([v for v in all_views if v.grad is not None])
         return all_views, lrs
 
-    def _prepare_step(self, outside_error: BaseException | None = None) -> StepPlan | None:
+    def _prepare_step(self, outside_error: BaseException | None = None,
+                      reset_stats: bool = True) -> StepPlan | None:
         """Everything a step does before its first mutation: check every gradient, group
         and kernel input, agree with the other ranks, choose the periods of new
         parameters and learn the codebook when due. Returns None when the step has
         nothing to do (no gradients, or the zero-gradient/zero-lr step of ALGORITHM.md
         §5). Mutates nothing; on any error every rank raises (``outside_error``: a
-        failed check of a composite's other part, agreed here)."""
-        self._comm.stats.reset_step()
+        failed check of a composite's other part, agreed here; ``reset_stats``: start this
+        step's collective counts here)."""
+        if reset_stats:
+            self._comm.stats.reset_step()
         error: BaseException | None = outside_error
         all_views: list[ParamView] = []
         lrs: dict[int, float] = {}
@@ -337,7 +348,7 @@ class _QuantizedOptimizer(Optimizer):
         views = [v for v in all_views if v.grad is not None]
         params = [p for g in self.param_groups for p in g["params"]]
         plan = StepPlan(views, params, lrs)
-        flags = [0, 0, 0]
+        flags = [0, 0, 0, 1]  # FLAG_NO_KEEP: set unless this rank can keep the plan
         if error is None:
             flags[FLAG_ANY_LR] = int(any(lr != 0.0 for lr in lrs.values()))
             if not flags[FLAG_ANY_LR]:  # only then do zero gradients matter (§5)
@@ -362,9 +373,11 @@ class _QuantizedOptimizer(Optimizer):
             if views:
                 plan.quantizer = self._quantizer
                 self._prepare_update(plan)
+                flags[FLAG_NO_KEEP] = int(not self._can_keep(plan))
         except Exception as exc:
             error = exc
         flags = self._comm.agree(params, header, flags, error)
+        plan.keep = not flags[FLAG_NO_KEEP]
         return plan if self._has_work(views, flags) else None
 
     @staticmethod

@@ -61,7 +61,8 @@ _DIGEST_WORDS = 2
 FLAG_ERROR = 0  # some rank's local checks raised
 FLAG_ANY_GRAD = 1  # some rank has a non-zero gradient
 FLAG_ANY_LR = 2  # some group has a non-zero learning rate (identical on every rank)
-_N_FLAGS = 3
+FLAG_NO_KEEP = 3  # some rank cannot keep this step's plan for the next steps (gefen/_steady.py)
+_N_FLAGS = 4
 
 
 def digest(parts: Iterable[str]) -> bytes:
@@ -184,6 +185,19 @@ class Comm:
         if error is not None:  # unreachable: the flag was set
             raise error
         return reduced
+
+    def all_fit(self, params: Sequence[torch.Tensor], header: Sequence[str], fits: bool) -> bool:
+        """A kept step plan's agreement (gefen/_steady.py), the one collective of a steady
+        step: True on every rank when every rank's plan fits and every header is equal,
+        else False on every rank (they then take the full path, whose agreement raises
+        what there is to raise). Raises nothing of its own."""
+        group = self.group(params)
+        d = _words(digest(header))
+        buf = torch.tensor(d + [-w for w in d] + [0 if fits else 1], dtype=torch.int64)
+        self._reduce("agree", buf, group, dist.ReduceOp.MAX)
+        vals = buf.tolist()
+        hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
+        return vals[-1] == 0 and hi == [-w for w in neg_lo]
 
     def _gather_objects(self, group, obj) -> list:
         out = [None] * dist.get_world_size(group)

@@ -1,22 +1,29 @@
-"""Gefen's steady step: the C plan of a CPU step kept for the next steps.
+"""Gefen's steady step: the C plans of a CPU step kept for the next steps.
 
 A step builds named items for every parameter and the extension parses them (about
-twenty fields and five tensors each) into a C plan; on a model's many small tensors
-that costs more than the update itself. When nothing but the gradients, the step
-counters and the hyper-parameters changes from one step to the next -- the usual case
-after the first steps -- the plan of the last step can run again. :class:`SteadyStep`
-keeps it and, before each step, checks cheaply that it still describes the optimizer:
-the same parameter objects in the same groups, the same parameters with gradients, the
-same state dicts, the same codebook, no refresh due, a non-zero learning rate, every
-group's hyper-parameters valid. The extension then re-reads each parameter and
-gradient (``AdamStep.restep``) and runs only if they match what it parsed (the
-parameter at the same address, the same dtype, shape and device, both contiguous).
-Whatever differs -- or any check that raises -- sends the step down the full path,
-which raises the error that input deserves, or builds and keeps a new plan: the fast
-path never raises an error of its own and never changes a number.
+twenty fields and five tensors each) into C plans; on a model's many small tensors that
+costs more than the update itself. When nothing but the gradients, the step counters and
+the hyper-parameters changes from one step to the next -- the usual case after the first
+steps -- the plans of the last step can run again. :class:`SteadyStep` keeps them and,
+before each step, checks cheaply that they still describe the optimizer: the same
+parameter objects in the same groups, the same parameters with gradients (of the
+parameter's placements, for a DTensor), the same state dicts, the same codebook, no
+refresh due, a non-zero learning rate, every group's hyper-parameters valid. The
+extension then re-reads each parameter and gradient (``AdamStep.rebind``) and takes them
+only if they match what it parsed (the parameter at the same address, the same dtype,
+shape and device, both contiguous). Whatever differs -- or any check that raises -- sends
+the step down the full path, which raises the error that input deserves, or builds and
+keeps new plans: the kept plans never raise an error of their own and never change a
+number.
 
-Only plain (non-DTensor) CPU parameters taking the whole step in one call qualify:
-sharded, CUDA and non-contiguous parameters always take the full path.
+Sharded (DTensor) parameters keep the step's agreement: the ranks reduce one small buffer
+(every rank's verdict and a digest of the learning rates, hyper-parameters and global
+step) and all take the kept plans, or all the full path, whose own agreement then raises
+what there is to raise. A plan is kept only when every rank can keep its own (an agreed
+flag of the full step that built them), so every rank makes the same collectives.
+
+Only CPU parameters whose local shards are contiguous qualify: CUDA parameters always
+take the full path.
 """
 
 from __future__ import annotations
@@ -26,12 +33,12 @@ from itertools import compress
 
 import torch
 
+from ._base import StepPlan
 from ._ext import _C
 
-#: Gradient types the extension reads directly (a subclass, e.g. a DTensor, takes the
-#: full path, which unwraps or rejects it).
+#: Gradient types the extension reads directly (a subclass, e.g. a DTensor for a plain
+#: parameter, takes the full path, which unwraps or rejects it).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-
 
 #: The item fields :func:`group_hyper` gives, in its order.
 HYPER_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "stochastic_round")
@@ -46,79 +53,134 @@ def group_hyper(group: dict, lr: float) -> tuple:
 
 
 class SteadyStep:
-    """The kept plan of one Gefen optimizer and what it was built from."""
+    """The kept plans of one Gefen optimizer and what they were built from."""
 
-    def __init__(self, opt, keys, items, switches):
+    def __init__(self, opt, plan, switches):
         groups = opt.param_groups
         self.group_ids = [list(map(id, g["params"])) for g in groups]
         self.all_params = [p for g in groups for p in g["params"]]
-        stepped = {id(k) for k in keys}
+        views = plan.views
+        self.keys = [v.key for v in views]
+        stepped = {id(k) for k in self.keys}
         self.present = [p.grad is not None for p in self.all_params]
         self.stepped = [id(p) in stepped for p in self.all_params]
-        self.keys = list(keys)
-        self.states = [opt.state[k] for k in keys]
+        self.states = [opt.state[k] for k in self.keys]
         self.state_ids = list(map(id, self.states))
         index = {id(g): gi for gi, g in enumerate(groups)}
-        self.item_group = [index[id(g)] for g in _groups_of(groups, keys)]
-        self.quantizer = opt._quantizer
+        self.item_group = [index[id(v.group)] for v in views]
+        self.quantizer = plan.quantizer
         self.switches = switches
-        # the plan holds no gradient between steps: each item's parameter stands in for it
-        self.plan = _C.AdamStep([dataclasses.replace(it, grad=it.param) for it in items])
+        self.distributed = opt._comm.distributed(self.all_params)
+        # a DTensor parameter's gradient must have its placements and mesh
+        self.meshes = [(tuple(v.layout.placements), v.layout.mesh) if v.layout.distributed else None
+                       for v in views]
+        at = {id(v.param): i for i, v in enumerate(views)}
+
+        def keep(prepared):
+            # the plans hold no gradient between steps: each item's parameter stands in
+            return [(device, _C.AdamStep([dataclasses.replace(it, grad=it.param) for it in items]),
+                     [at[id(it.param)] for it in items]) for device, _plan, items in prepared]
+
+        steps, whole, self.buffers, _copies = plan.payload
+        # (device, plan, the indices of its items in self.keys): the two-phase plans of
+        # row-sharded parameters and the whole-step ones, as the full path runs them
+        self.phased, self.whole = keep(steps), keep(whole)
+        parts = self.phased + self.whole
+        # one plan whose items are in key order (the usual case): no re-indexing per step
+        self.single = parts[0][1] if len(parts) == 1 and parts[0][2] == list(range(len(views))) else None
 
     def run(self, opt, switches) -> bool:
-        """Step ``opt`` with the kept plan; False (nothing changed) when it no longer
-        fits, and the caller takes the full path. ``switches``: the optimizer module's
-        internal switches now (tests flip them), compared with those of the build."""
-        if switches != self.switches:
+        """Step ``opt`` with the kept plans; False (nothing changed; on every rank when
+        sharded) when they no longer fit, and the caller takes the full path.
+        ``switches``: the optimizer module's internal switches now (tests flip them),
+        compared with those of the build."""
+        fits, header = False, ""
+        try:
+            if switches == self.switches:
+                fits, header = self._bind(opt)
+        except Exception:  # the full path makes the same checks and raises properly
+            fits = False
+        if self.distributed:
+            fits = opt._comm.all_fit(self.all_params, [header], fits)
+        if not fits:
+            self._unbind()
             return False
         try:
-            inputs = self._inputs(opt)
-        except Exception:  # the full path makes the same checks and raises properly
-            return False
-        if inputs is None:
-            return False
-        grads, steps, hypers = inputs
-        if not self.plan.restep(self.keys, grads, steps, hypers, opt._global_step,
-                                opt._quantizer, opt._nthreads()):
-            return False
+            opt._run_update(StepPlan([], [], {}, quantizer=opt._quantizer,
+                                     payload=(self.phased, self.whole, self.buffers, [])))
+        finally:
+            self._unbind()
         for st in self.states:
             st["step"] += 1
         opt._count_global_step()
         return True
 
-    def _inputs(self, opt):
-        """This step's gradients, step counters and hyper-parameters, or None when the
-        plan does not describe the optimizer any more (raises what the full path's checks
-        would raise, which the caller treats as None)."""
+    def _unbind(self) -> None:
+        for _device, plan, _idx in self.phased + self.whole:
+            plan.unbind()
+
+    def _bind(self, opt) -> tuple[bool, str]:
+        """This step's gradients, step counters and hyper-parameters into the kept plans:
+        ``(fits, header)``; the header is what the ranks compare (may raise what the full
+        path's checks would raise, which the caller treats as not fitting)."""
         if opt._prepared or opt._quantizer is not self.quantizer or opt._refresh_due():
-            return None
+            return False, ""
         groups = opt.param_groups
         if len(groups) != len(self.group_ids):
-            return None
+            return False, ""
         for g, ids in zip(groups, self.group_ids):
             if list(map(id, g["params"])) != ids:
-                return None
+                return False, ""
         grads = [p.grad for p in self.all_params]
         if [g is not None for g in grads] != self.present:
-            return None
+            return False, ""
         grads = list(compress(grads, self.stepped))
-        if not set(map(type, grads)) <= _PLAIN:
-            return None
+        if self.distributed:
+            params, grads = self._locals(grads)
+            if params is None:
+                return False, ""
+        else:
+            if not set(map(type, grads)) <= _PLAIN:
+                return False, ""
+            params = self.keys
         if list(map(id, map(opt.state.get, self.keys))) != self.state_ids:
-            return None
+            return False, ""
         lrs = opt._read_lrs()
         if not any(lr != 0.0 for lr in lrs.values()):  # the zero-lr step of ALGORITHM.md §5
-            return None
+            return False, ""
         hyper = []
         for g in groups:
             lr = lrs[id(g)]
             opt._check_group(dict(g, lr=lr))
             hyper.append(group_hyper(g, lr))
-        opt._comm.stats.reset_step()
-        return grads, [st["step"] + 1 for st in self.states], [hyper[i] for i in self.item_group]
+        steps = [st["step"] + 1 for st in self.states]
+        hypers = [hyper[i] for i in self.item_group]
+        seed = opt._global_step
+        if self.single is not None:
+            if not self.single.rebind(params, grads, steps, hypers, seed):
+                return False, ""
+        else:
+            for _device, plan, idx in self.phased + self.whole:
+                if not plan.rebind([params[i] for i in idx], [grads[i] for i in idx],
+                                   [steps[i] for i in idx], [hypers[i] for i in idx], seed):
+                    return False, ""
+        return True, f"steady|{seed}|{hyper!r}" if self.distributed else ""
 
-
-def _groups_of(groups: list[dict], keys: list) -> list[dict]:
-    """The group of each of ``keys``."""
-    where = {id(p): g for g in groups for p in g["params"]}
-    return [where[id(k)] for k in keys]
+    def _locals(self, grads):
+        """The local shards of the parameters and gradients, or (None, None) when a
+        gradient is not laid out as its parameter."""
+        params, local_grads = [], []
+        for key, g, mesh in zip(self.keys, grads, self.meshes):
+            if mesh is None:
+                if type(g) not in _PLAIN:
+                    return None, None
+                params.append(key)
+                local_grads.append(g)
+                continue
+            lg = getattr(g, "_local_tensor", None)
+            if lg is None or tuple(g.placements) != mesh[0] or (
+                    g.device_mesh is not mesh[1] and g.device_mesh != mesh[1]):
+                return None, None
+            params.append(key._local_tensor)
+            local_grads.append(lg)
+        return params, local_grads

@@ -242,7 +242,7 @@ class Gefen(_QuantizedOptimizer):
             if key is not None:
                 buf, k, off = key
                 item.col_stats = buf.view(k, off, item.v_col.numel() + 1)
-        steps = [(d, _C.AdamStep(phased)) for d, (phased, _) in by_device.items() if phased]
+        steps = [(d, _C.AdamStep(phased), phased) for d, (phased, _) in by_device.items() if phased]
         whole = [(d, _C.AdamStep(one_call), one_call) for d, (_, one_call) in by_device.items() if one_call]
         plan.payload = (steps, whole, list(buffers.values()), copies)
 
@@ -251,7 +251,7 @@ class Gefen(_QuantizedOptimizer):
         nt = self._nthreads()
         error = None
         try:
-            for device, step in steps:
+            for device, step, _items in steps:
                 step.factored_stats(nt, stream_of(device))
         except Exception as exc:  # every rank that shares a parameter must hear of it
             error = exc
@@ -263,7 +263,7 @@ class Gefen(_QuantizedOptimizer):
         # as an update does; they come first so that a failure leaves every plan unapplied
         for _device, step, _items in whole:
             step.step(plan.quantizer, nt)
-        for device, step in steps:
+        for device, step, _items in steps:
             step.update(plan.quantizer, nt, stream_of(device), self._device_table(plan.quantizer, device))
         for p, pc in copies:
             p.copy_(pc)
@@ -279,17 +279,16 @@ class Gefen(_QuantizedOptimizer):
         self._steady = None
         return False
 
+    def _can_keep(self, plan: StepPlan) -> bool:
+        """A steady step's plan (no state created, no codebook relearned) can be kept when
+        every parameter stepped here is on the CPU and contiguous (no copies to write
+        back)."""
+        if plan.pending or plan.new_codebook is not None or plan.new_codes:
+            return False
+        steps, whole, _buffers, copies = plan.payload
+        return not copies and all(d is _CPU for d, *_ in steps + whole)
+
     def _keep_steady(self, plan: StepPlan) -> None:
-        """After a full step: keep its C plan for the next steps when the step was
-        steady (no state created or relearned) and every parameter stepped is a plain CPU
-        parameter that took the whole step in one call."""
-        steps, whole, buffers, copies = plan.payload
-        if (plan.pending or plan.new_codebook is not None or plan.new_codes or steps or buffers
-                or copies or len(whole) != 1 or plan.quantizer is not self._quantizer
-                or self._comm.distributed(plan.params)):
-            return
-        device, _step, items = whole[0]
-        if device is not _CPU or len(items) != len(plan.views):
-            return
-        self._steady = SteadyStep(self, [v.key for v in plan.views], items,
-                                  (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS))
+        """After a full step: keep its C plans for the next steps when every rank can."""
+        if plan.keep:
+            self._steady = SteadyStep(self, plan, (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS))

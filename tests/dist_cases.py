@@ -713,3 +713,89 @@ def dcp_fresh_state_dict_changes_nothing(rank, world):
     _train_steps(b, ob, 0, 3)
     return {"empty": not sd["state"], "same": all(torch.equal(p.to_local(), q.to_local())
                                                    for p, q in zip(a.parameters(), b.parameters()))}
+
+
+# ------------------------------------------------------------ steady steps
+
+
+def steady_steps(rank, world, factored, event, steps=7):
+    """Two optimizers on copies of the same sharded parameters (uneven and empty shards,
+    a replicated one), one keeping its steady steps' plans (gefen/_steady.py) and one
+    never: the same bits, or the same error, after every step. ``event`` happens on rank
+    1 only before step 4 (and stays): every rank must leave the kept plans together.
+    Returns per step the kept side's run results and outcomes, and whether both sides
+    matched."""
+    from gefen import _steady
+
+    mesh = make_mesh((world,))
+    shapes = [(5, 4), (1, 4), (7,), (6, 8), (3, 4, 2), (2, 3)]
+    full = full_tensors(shapes, seed=1)
+    sides = []
+    for keep in (True, False):
+        params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, (Replicate(),) if i == 5 else (Shard(0),)))
+                  for i, t in enumerate(full)]
+        opt = gefen.Gefen([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-2, factored=factored)
+        if not keep:
+            opt._keep_steady = lambda plan: None
+        sides.append((params, opt))
+    runs = []
+    real = _steady.SteadyStep.run
+
+    def run(self, opt, switches):
+        ok = real(self, opt, switches)
+        runs.append(ok)
+        return ok
+
+    _steady.SteadyStep.run = run
+    out = {"runs": [], "errors": [], "same": []}
+    try:
+        for step in range(steps):
+            grads = full_tensors(shapes, seed=100 + step)
+            errors = []
+            for params, opt in sides:
+                for p, g in zip(params, grads):
+                    p.grad = distribute_tensor(g.clone(), mesh, p.placements)
+                if step >= 4 and rank == 1:
+                    if event == "transposed":  # a column-major local gradient: full path, same bits
+                        lg = params[3].grad._local_tensor
+                        params[3].grad._local_tensor = lg.t().contiguous().t()
+                    elif event == "no_grad":  # a rank without a gradient: RankDivergenceError
+                        params[2].grad = None
+                    elif event == "lr":  # a rank with another lr: RankDivergenceError
+                        opt.param_groups[0]["lr"] = 2e-2
+                before = len(runs)
+                try:
+                    opt.step()
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append((type(exc).__name__, str(exc)))
+                if opt is sides[0][1]:
+                    out["runs"].append(runs[before] if len(runs) > before else None)
+            out["errors"].append(errors)
+            (pa, oa), (pb, ob) = sides
+            out["same"].append(_same_state(oa, pa, ob, pb))
+    finally:
+        _steady.SteadyStep.run = real
+    return out
+
+
+def _same_state(oa, pa, ob, pb) -> bool:
+    """Bit-equal local parameters and state of two optimizers over parallel parameters."""
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    for a, b in zip(pa, pb):
+        if not torch.equal(local(a).view(torch.uint8), local(b).view(torch.uint8)):
+            return False
+        sa, sb = oa.state.get(a, {}), ob.state.get(b, {})
+        if set(sa) != set(sb):
+            return False
+        for k in sa:
+            x, y = sa[k], sb[k]
+            if isinstance(x, torch.Tensor):
+                x, y = local(x), local(y)
+                if x.dtype != y.dtype or not torch.equal(x, y):
+                    return False
+            elif x != y:
+                return False
+    return oa._global_step == ob._global_step

@@ -143,9 +143,10 @@ def test_loss_parity_benchmark_trains_every_optimizer(tmp_path):
 
 def test_step_overhead_times_the_c_calls_of_a_step(tmp_path):
     # the C work of a step runs in the methods of the plans _C builds (AdamStep.step for
-    # CPU parameters, AdamStep.restep once a plan is kept): the benchmark must time
-    # those, not only their construction
-    for path, calls in (("steady", ("AdamStep.restep",)), ("full", ("AdamStep", "AdamStep.step"))):
+    # CPU parameters, between AdamStep.rebind and unbind once a plan is kept): the
+    # benchmark must time those, not only their construction
+    for path, calls in (("steady", ("AdamStep.rebind", "AdamStep.unbind", "AdamStep.step")),
+                        ("full", ("AdamStep", "AdamStep.step"))):
         result = _run("step_overhead.py", "--optimizers", "gefen,gefen-block", "--dtypes",
                       "fp32,bf16", *(["--full"] if path == "full" else []), tmp_path=tmp_path)
         assert result["path"] == path

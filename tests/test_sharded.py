@@ -193,3 +193,34 @@ def test_rebind_after_fully_shard(gloo_pools, kind):
     for res in gloo_pools(2).run(D.fsdp_rebind, kind):
         assert res["same"] and res["dtensors"], res
         assert "only allowed before the optimizer's first step" in res["late"], res
+
+
+# ------------------------------------------------------------ steady steps
+
+
+@pytest.mark.parametrize("factored", [True, False])
+def test_kept_plans_step_sharded_parameters_bit_for_bit(gloo_pools, factored):
+    # the two-phase plans of row-sharded parameters (and the whole step of the
+    # replicated one) kept and run again, against an optimizer that never keeps them
+    for res in gloo_pools(2).run(D.steady_steps, factored, None, timeout=120):
+        assert all(res["same"]), res
+        assert res["runs"][:2] == [None, None] and all(res["runs"][2:]), res
+        assert all(e == [None, None] for e in res["errors"]), res
+
+
+@pytest.mark.parametrize("event", ["transposed", "no_grad", "lr"])
+def test_one_rank_leaving_the_kept_plans_takes_every_rank_with_it(gloo_pools, event):
+    # rank 1 alone sees the event: the kept plans' agreement sends every rank down the
+    # full path (no rank waits in another collective), which proceeds with the same bits
+    # or raises the same error everywhere, changing nothing
+    res = gloo_pools(2).run(D.steady_steps, True, event, timeout=120)
+    for r in res:
+        assert all(r["same"]), r
+        assert all(r["runs"][2:4]) and not any(r["runs"][4:]), r
+        for step, errors in enumerate(r["errors"]):
+            assert errors[0] == errors[1], r  # kept side == never-kept side
+            if step < 4 or event == "transposed":
+                assert errors[0] is None, r
+            else:
+                assert errors[0][0] == "RankDivergenceError", r
+    assert res[0]["errors"] == res[1]["errors"]

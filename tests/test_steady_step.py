@@ -244,32 +244,37 @@ def test_kept_plan_holds_no_gradient(runs):
     assert all(r() is None for r in refs)
 
 
-def test_restep_refuses_what_it_did_not_parse():
-    """AdamStep.restep runs nothing and returns False when a tensor differs from the
-    plan; it raises for lists of the wrong length."""
+def test_rebind_refuses_what_it_did_not_parse():
+    """AdamStep.rebind takes nothing and returns False when a tensor differs from the
+    plan; it raises for lists of the wrong length; it holds the gradients it took until
+    unbind()."""
     params = _params()[:1]
     opt = gefen.Gefen(params, lr=1e-2)
     for k in range(3):
         _grads(params, k)
         opt.step()
-    plan = opt._steady.plan
+    plan = opt._steady.single
     p = params[0]
-    st = opt.state[p]
-    q = opt._quantizer
     hyper = [(1e-2, 0.9, 0.999, 1e-8, 0.0, False)]
-    before = [p.detach().clone(), st["codes"].clone()]
     for grad in (p.grad.double(), p.grad[:-1], p.grad.t(), torch.zeros(24 * 40)):
-        assert plan.restep([p], [grad], [4], hyper, 3, q) is False
-    assert plan.restep([p.detach().clone()], [p.grad], [4], hyper, 3, q) is False
-    assert plan.restep([p], [p.grad], ["four"], hyper, 3, q) is False
-    assert plan.restep([p], [p.grad], [4], [(1e-2, 0.9)], 3, q) is False
-    assert torch.equal(p, before[0]) and torch.equal(st["codes"], before[1])
+        assert plan.rebind([p], [grad], [4], hyper, 3) is False
+    assert plan.rebind([p.detach().clone()], [p.grad], [4], hyper, 3) is False
+    assert plan.rebind([p], [p.grad], ["four"], hyper, 3) is False
+    assert plan.rebind([p], [p.grad], [4], [(1e-2, 0.9)], 3) is False
     with pytest.raises(ValueError, match="one entry each"):
-        plan.restep([p, p], [p.grad], [4], hyper, 3, q)
-    with pytest.raises(TypeError):
-        plan.restep([p], [p.grad], [4], hyper, 3, "not a quantizer")
-    assert plan.restep([p], [p.grad], [4], hyper, 3, q) is True
-    assert not torch.equal(p, before[0])
+        plan.rebind([p, p], [p.grad], [4], hyper, 3)
+    grad = torch.randn_like(p)
+    ref = weakref.ref(grad)
+    before = p.detach().clone()
+    assert plan.rebind([p], [grad], [4], hyper, 3) is True
+    del grad
+    gc.collect()
+    assert ref() is not None  # bound
+    plan.step(opt._quantizer, 1)
+    assert not torch.equal(p, before)
+    plan.unbind()
+    gc.collect()
+    assert ref() is None
 
 
 def test_state_dict_of_a_steady_optimizer_round_trips(runs):

@@ -8,6 +8,7 @@
 #include "steps.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "quantizer_type.h"
 #ifdef GEFEN_WITH_CUDA
@@ -494,7 +495,9 @@ typedef struct {
   DLDevice device;
   int factored; /* AdamStep: some item has the factored form */
   double *scratch; /* AdamStep on the CPU: the statistics of items that gave none */
-  void *work;      /* AdamStep.restep(): the items with this step's gradients (n items) */
+  void *work;      /* AdamStep.rebind(): the items being matched (n items) */
+  PyObject *bound; /* AdamStep.rebind(): the gradients bound until unbind() (a list) */
+  gefen_view_keep bound_keep;
 } StepPlan;
 
 typedef int (*parse_fn)(PyObject *item, PyObject *refs, void *it, const char **name,
@@ -547,6 +550,8 @@ static void plan_dealloc(StepPlan *self) {
   PyTypeObject *tp = Py_TYPE(self);
   PyMem_Free(self->scratch);
   PyMem_Free(self->work);
+  Py_XDECREF(self->bound);
+  gefen_view_keep_release(&self->bound_keep);
   gefen_view_keep_release(&self->keep);
   Py_XDECREF(self->refs);
   PyMem_Free(self->items);
@@ -578,6 +583,8 @@ static PyObject *plan_build(PyTypeObject *type, PyObject *args, PyObject *kwargs
   self->factored = 0;
   self->scratch = NULL;
   self->work = NULL;
+  self->bound = NULL;
+  self->bound_keep.capsules = NULL;
   self->device.device_type = kDLCPU;
   self->device.device_id = 0;
   span *spans = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *spans);
@@ -705,18 +712,19 @@ static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kw
 
 /* ---------------------------------------------------------- steady steps
  *
- * AdamStep.restep(): a CPU plan kept across steps (Gefen's steady step, built
- * with each item's parameter in place of its gradient, so that it holds no
- * gradient between steps) runs again with this step's gradients, step
- * counters and hyper-parameters. Every tensor it re-reads must match what the
- * plan parsed -- the parameter at the same address, contiguous, of the same
- * dtype and shape on the same device, its gradient likewise -- or nothing runs
- * and it returns False: the caller then takes the full path, which raises
- * the error that input deserves or builds a new plan. */
+ * AdamStep.rebind() / unbind(): a CPU plan kept across steps (Gefen's steady
+ * step, built with each item's parameter in place of its gradient, so that it
+ * holds no gradient between steps) takes this step's gradients, step counters
+ * and hyper-parameters; its phases then run as after a build, and unbind()
+ * lets the gradients go. Every tensor rebind() reads must match what the plan
+ * parsed -- the parameter at the same address, contiguous, of the same dtype
+ * and shape on the same device, its gradient likewise -- or it changes
+ * nothing and returns False: the caller then takes the full path, which
+ * raises the error that input deserves or builds a new plan. */
 
 /* The hyper-parameters of one item: (lr, beta1, beta2, eps, weight_decay,
  * stochastic_round). 0, or -1 (no exception set) when they do not parse. */
-static int restep_hyper(PyObject *h, gefen_adam_item *it) {
+static int rebind_hyper(PyObject *h, gefen_adam_item *it) {
   if (!PyTuple_Check(h) || PyTuple_Size(h) != 6) return -1;
   double *dst[5] = {&it->lr, &it->beta1, &it->beta2, &it->eps, &it->weight_decay};
   for (int k = 0; k < 5; k++) {
@@ -737,7 +745,7 @@ static int restep_hyper(PyObject *h, gefen_adam_item *it) {
 
 /* Item i of the plan with this step's tensors and scalars into *out: 1 when
  * they match the plan, 0 when not (no exception set). */
-static int restep_item(const StepPlan *self, Py_ssize_t i, PyObject *p_obj, PyObject *g_obj,
+static int rebind_item(const StepPlan *self, Py_ssize_t i, PyObject *p_obj, PyObject *g_obj,
                        PyObject *step_obj, PyObject *h_obj, gefen_view_keep *keep,
                        gefen_adam_item *out) {
   const gefen_adam_item *it = (const gefen_adam_item *)self->items + i;
@@ -760,40 +768,48 @@ static int restep_item(const StepPlan *self, Py_ssize_t i, PyObject *p_obj, PyOb
     return 0;
   }
   *out = *it;
-  if (restep_hyper(h_obj, out) != 0) return 0;
+  if (rebind_hyper(h_obj, out) != 0) return 0;
   out->grad = g.data;
   out->step = step;
   return 1;
 }
 
-static PyObject *adam_step_restep(StepPlan *self, PyObject *args, PyObject *kwargs) {
-  static char *kw[] = {"params", "grads", "steps", "hypers", "seed", "quantizer", "nthreads", NULL};
-  PyObject *params, *grads, *steps, *hypers, *qobj;
+/* Points every item's gradient back at its parameter (an address the plan
+ * keeps alive and never reads as a gradient) and lets the bound ones go. */
+static void unbind_all(StepPlan *self) {
+  gefen_adam_item *items = self->items;
+  for (Py_ssize_t i = 0; i < self->n; i++) items[i].grad = items[i].param;
+  Py_CLEAR(self->bound);
+  gefen_view_keep_release(&self->bound_keep);
+}
+
+static PyObject *adam_step_rebind(StepPlan *self, PyObject *args, PyObject *kwargs) {
+  static char *kw[] = {"params", "grads", "steps", "hypers", "seed", NULL};
+  PyObject *params, *grads, *steps, *hypers;
   unsigned long long seed;
-  int nthreads = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!KO!|i", kw, &PyList_Type, &params,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!K", kw, &PyList_Type, &params,
                                    &PyList_Type, &grads, &PyList_Type, &steps, &PyList_Type,
-                                   &hypers, &seed, GefenQuantizer_Type, &qobj, &nthreads))
+                                   &hypers, &seed))
     return NULL;
   const Py_ssize_t n = self->n;
-  if (PyList_Size(params) != n || PyList_Size(grads) != n ||
-      PyList_Size(steps) != n || PyList_Size(hypers) != n) {
-    PyErr_Format(PyExc_ValueError, "AdamStep.restep: the plan has %zd items; params, grads, "
+  if (PyList_Size(params) != n || PyList_Size(grads) != n || PyList_Size(steps) != n ||
+      PyList_Size(hypers) != n) {
+    PyErr_Format(PyExc_ValueError, "AdamStep.rebind: the plan has %zd items; params, grads, "
                  "steps and hypers must have one entry each", n);
     return NULL;
   }
   if (self->device.device_type != kDLCPU) {
-    PyErr_SetString(PyExc_RuntimeError, "AdamStep.restep() runs on the CPU only");
+    PyErr_SetString(PyExc_RuntimeError, "AdamStep.rebind() takes CPU plans only");
     return NULL;
   }
   if (n == 0) Py_RETURN_TRUE;
   if (!self->work && !(self->work = PyMem_Malloc((size_t)n * sizeof(gefen_adam_item))))
     return PyErr_NoMemory();
   gefen_adam_item *work = self->work;
-  gefen_view_keep keep = {NULL}; /* the fallback protocol's capsules, until the step ends */
+  gefen_view_keep keep = {NULL}; /* the fallback protocol's capsules, while bound */
   int match = 1;
   for (Py_ssize_t i = 0; match && i < n; i++) {
-    match = restep_item(self, i, PyList_GetItem(params, i), PyList_GetItem(grads, i),
+    match = rebind_item(self, i, PyList_GetItem(params, i), PyList_GetItem(grads, i),
                         PyList_GetItem(steps, i), PyList_GetItem(hypers, i), &keep, &work[i]);
     work[i].seed = seed;
   }
@@ -801,19 +817,18 @@ static PyObject *adam_step_restep(StepPlan *self, PyObject *args, PyObject *kwar
     gefen_view_keep_release(&keep);
     Py_RETURN_FALSE;
   }
-  const gefen_quantizer *q = ((GefenQuantizer *)qobj)->q;
-  const int nt = get_nthreads(nthreads);
-  gefen_error err;
-  gefen_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = gefen_adam_step(work, n, q, nt, &err);
-  Py_END_ALLOW_THREADS
-  gefen_view_keep_release(&keep);
-  if (st != GEFEN_OK) {
-    raise_core(st, &err, self->names, n);
-    return NULL;
-  }
+  unbind_all(self);
+  memcpy(self->items, work, (size_t)n * sizeof(gefen_adam_item));
+  Py_INCREF(grads);
+  self->bound = grads;
+  self->bound_keep = keep;
   Py_RETURN_TRUE;
+}
+
+static PyObject *adam_step_unbind(StepPlan *self, PyObject *unused) {
+  (void)unused;
+  unbind_all(self);
+  Py_RETURN_NONE;
 }
 
 static PyObject *plan_len(StepPlan *self, void *closure) {
@@ -845,13 +860,15 @@ static PyMethodDef adam_step_methods[] = {
      "the bits are those of factored_stats() then update(). Allocates everything before the "
      "first write: when it raises, no item has changed. stream and device_table are accepted "
      "for symmetry with update() and ignored."},
-    {"restep", PLAN_KW(adam_step_restep),
-     "restep(params, grads, steps, hypers, seed, quantizer, nthreads=0) -> bool: step() again "
-     "(CPU only) with this step's gradients, step counters and hyper-parameters (lists with one "
-     "entry per item; hypers: (lr, beta1, beta2, eps, weight_decay, stochastic_round) tuples). "
-     "Returns False, having run nothing, when a parameter or gradient differs from what the "
-     "plan parsed (address of the parameter, dtype, shape, contiguity, device) or a scalar does "
-     "not parse; the plan keeps no gradient after the call."},
+    {"rebind", PLAN_KW(adam_step_rebind),
+     "rebind(params, grads, steps, hypers, seed) -> bool: a CPU plan takes this step's "
+     "gradients, step counters and hyper-parameters (lists with one entry per item; hypers: "
+     "(lr, beta1, beta2, eps, weight_decay, stochastic_round) tuples) and keeps the gradients "
+     "referenced until unbind(); its phases then run on them. Returns False, changing "
+     "nothing, when a parameter or gradient differs from what the plan parsed (address of the "
+     "parameter, dtype, shape, contiguity, device) or a scalar does not parse."},
+    {"unbind", (PyCFunction)(void (*)(void))adam_step_unbind, METH_NOARGS,
+     "unbind(): let the gradients of the last rebind() go (the plan holds none after it)."},
     {NULL, NULL, 0, NULL}};
 
 static PyMethodDef muon_step_methods[] = {
