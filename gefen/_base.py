@@ -462,7 +462,7 @@ class _QuantizedOptimizer(Optimizer):
             checked = self._validate_load(state_dict)
         except Exception as exc:  # agreed: every rank raises
             error = exc
-        self._comm.agree(params, self._load_header(), [0, 0, 0], error)
+        self._comm.agree(params, self._load_header(), [0, 0, 0, 0], error)
         self._install_load(checked)
 
     def _validate_load(self, state_dict: dict[str, Any]) -> dict:

@@ -166,6 +166,8 @@ class Comm:
         when a rank's local checks failed. Returns the reduced flags.
         """
         flags = list(flags)
+        if len(flags) != _N_FLAGS:
+            raise ValueError(f"gefen: an agreement takes {_N_FLAGS} flags, got {len(flags)}")
         flags[FLAG_ERROR] = 1 if error is not None else 0
         if not self.distributed(params):
             if error is not None:
@@ -173,11 +175,11 @@ class Comm:
             return flags
         group = self.group(params)
         d = _words(digest(header))
-        buf = torch.tensor(d + [-w for w in d] + flags, dtype=torch.int64)
-        self._reduce("agree", buf, group, dist.ReduceOp.MAX)
-        vals = buf.tolist()
+        vals = self._agreement(group, d, flags, kept=False)
+        if vals[-2]:  # a rank tried its kept plans: it takes the full path too, agree with it
+            vals = self._agreement(group, d, flags, kept=False)
         hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
-        reduced = vals[2 * _DIGEST_WORDS :]
+        reduced = vals[2 * _DIGEST_WORDS : 2 * _DIGEST_WORDS + _N_FLAGS]
         if reduced[FLAG_ERROR]:  # first: a failed rank's header may be incomplete
             self._raise_error(group, error)
         if hi != [-w for w in neg_lo]:
@@ -187,17 +189,27 @@ class Comm:
         return reduced
 
     def all_fit(self, params: Sequence[torch.Tensor], header: Sequence[str], fits: bool) -> bool:
-        """A kept step plan's agreement (gefen/_steady.py), the one collective of a steady
-        step: True on every rank when every rank's plan fits and every header is equal,
-        else False on every rank (they then take the full path, whose agreement raises
-        what there is to raise). Raises nothing of its own."""
+        """A kept step plan's agreement (gefen/_steady.py), in the place of the step's
+        agreement: True on every rank when every rank tried its kept plans, every one
+        fits and every header is equal; else False on every rank, and every rank that
+        tried takes the full path. A rank already on the full path (it kept no plan, e.g.
+        after a failure of its own) meets this collective with its :meth:`agree`, which
+        sees that a rank tried and agrees once more, with it. Raises nothing of its own."""
         group = self.group(params)
-        d = _words(digest(header))
-        buf = torch.tensor(d + [-w for w in d] + [0 if fits else 1], dtype=torch.int64)
-        self._reduce("agree", buf, group, dist.ReduceOp.MAX)
-        vals = buf.tolist()
+        flags = [0] * _N_FLAGS
+        flags[FLAG_ERROR] = 0 if fits else 1  # (read here only: "does not fit")
+        vals = self._agreement(group, _words(digest(header)), flags, kept=True)
         hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
-        return vals[-1] == 0 and hi == [-w for w in neg_lo]
+        all_kept = vals[-1] == -1  # the MAX of -1 from every rank that tried
+        return all_kept and not vals[2 * _DIGEST_WORDS + FLAG_ERROR] and hi == [-w for w in neg_lo]
+
+    def _agreement(self, group, d: list[int], flags: list[int], kept: bool) -> list[int]:
+        """One agreement collective (MAX): the digest words, their negatives, the flags,
+        then whether some rank tried its kept plans and (negated) whether all did."""
+        tail = [1, -1] if kept else [0, 0]
+        buf = torch.tensor(d + [-w for w in d] + flags + tail, dtype=torch.int64)
+        self._reduce("agree", buf, group, dist.ReduceOp.MAX)
+        return buf.tolist()
 
     def _gather_objects(self, group, obj) -> list:
         out = [None] * dist.get_world_size(group)

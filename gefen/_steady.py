@@ -20,7 +20,9 @@ Sharded (DTensor) parameters keep the step's agreement: the ranks reduce one sma
 (every rank's verdict and a digest of the learning rates, hyper-parameters and global
 step) and all take the kept plans, or all the full path, whose own agreement then raises
 what there is to raise. A plan is kept only when every rank can keep its own (an agreed
-flag of the full step that built them), so every rank makes the same collectives.
+flag of the full step that built them); a rank that nevertheless has none (its own step
+failed after the agreement) meets the others' kept-plan agreement with its full one,
+which sees that they tried and agrees once more with them (``Comm.all_fit``).
 
 Only CPU parameters whose local shards are contiguous qualify: CUDA parameters always
 take the full path.
@@ -94,22 +96,23 @@ class SteadyStep:
         sharded) when they no longer fit, and the caller takes the full path.
         ``switches``: the optimizer module's internal switches now (tests flip them),
         compared with those of the build."""
-        fits, header = False, ""
+        fits = False
         try:
-            if switches == self.switches:
-                fits, header = self._bind(opt)
-        except Exception:  # the full path makes the same checks and raises properly
-            fits = False
-        if self.distributed:
-            fits = opt._comm.all_fit(self.all_params, [header], fits)
-        if not fits:
-            self._unbind()
-            return False
-        try:
-            opt._run_update(StepPlan([], [], {}, quantizer=opt._quantizer,
-                                     payload=(self.phased, self.whole, self.buffers, [])))
+            header = ""
+            try:
+                if switches == self.switches:
+                    fits, header = self._bind(opt)
+            except Exception:  # the full path makes the same checks and raises properly
+                fits = False
+            if self.distributed:
+                fits = opt._comm.all_fit(self.all_params, [header], fits)
+            if fits:
+                opt._run_update(StepPlan([], [], {}, quantizer=opt._quantizer,
+                                         payload=(self.phased, self.whole, self.buffers, [])))
         finally:
-            self._unbind()
+            self._unbind()  # (the plans hold no gradient between steps)
+        if not fits:
+            return False
         for st in self.states:
             st["step"] += 1
         opt._count_global_step()

@@ -421,7 +421,7 @@ class GefenMuonHybrid(Optimizer):
         except Exception as exc:
             error = exc
         params = [p for g in self.param_groups for p in g["params"]]
-        self._comm.agree(params, [f"hybrid|{len(params)}"], [0, 0, 0], error)
+        self._comm.agree(params, [f"hybrid|{len(params)}"], [0, 0, 0, 0], error)
         for child, done in zip(self._children, loaded):
             if isinstance(child, _QuantizedOptimizer):
                 child._install_load(done)

@@ -763,6 +763,8 @@ def steady_steps(rank, world, factored, event, steps=7):
                         params[2].grad = None
                     elif event == "lr":  # a rank with another lr: RankDivergenceError
                         opt.param_groups[0]["lr"] = 2e-2
+                    elif event == "dropped":  # a rank without kept plans (after a failure of
+                        opt.__dict__.pop("_steady", None)  # its own): its agreement meets the others' try
                 before = len(runs)
                 try:
                     opt.step()

@@ -208,18 +208,19 @@ def test_kept_plans_step_sharded_parameters_bit_for_bit(gloo_pools, factored):
         assert all(e == [None, None] for e in res["errors"]), res
 
 
-@pytest.mark.parametrize("event", ["transposed", "no_grad", "lr"])
+@pytest.mark.parametrize("event", ["transposed", "no_grad", "lr", "dropped"])
 def test_one_rank_leaving_the_kept_plans_takes_every_rank_with_it(gloo_pools, event):
     # rank 1 alone sees the event: the kept plans' agreement sends every rank down the
     # full path (no rank waits in another collective), which proceeds with the same bits
-    # or raises the same error everywhere, changing nothing
+    # or raises the same error everywhere, changing nothing; a rank that kept no plan
+    # ("dropped") meets the others' kept-plan agreement with its full agreement
     res = gloo_pools(2).run(D.steady_steps, True, event, timeout=120)
     for r in res:
         assert all(r["same"]), r
         assert all(r["runs"][2:4]) and not any(r["runs"][4:]), r
         for step, errors in enumerate(r["errors"]):
             assert errors[0] == errors[1], r  # kept side == never-kept side
-            if step < 4 or event == "transposed":
+            if step < 4 or event in ("transposed", "dropped"):
                 assert errors[0] is None, r
             else:
                 assert errors[0][0] == "RankDivergenceError", r
