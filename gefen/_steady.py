@@ -37,6 +37,7 @@ import torch
 
 from ._base import StepPlan
 from ._ext import _C
+from ._views import laid_out_as
 
 #: Gradient types the extension reads directly (a subclass, e.g. a DTensor for a plain
 #: parameter, takes the full path, which unwraps or rejects it).
@@ -73,9 +74,8 @@ class SteadyStep:
         self.quantizer = plan.quantizer
         self.switches = switches
         self.distributed = opt._comm.distributed(self.all_params)
-        # a DTensor parameter's gradient must have its placements and mesh
-        self.meshes = [(tuple(v.layout.placements), v.layout.mesh) if v.layout.distributed else None
-                       for v in views]
+        # a DTensor parameter's gradient must be laid out as the parameter
+        self.layouts = [v.layout if v.layout.distributed else None for v in views]
         at = {id(v.param): i for i, v in enumerate(views)}
 
         def keep(prepared):
@@ -173,16 +173,15 @@ class SteadyStep:
         """The local shards of the parameters and gradients, or (None, None) when a
         gradient is not laid out as its parameter."""
         params, local_grads = [], []
-        for key, g, mesh in zip(self.keys, grads, self.meshes):
-            if mesh is None:
+        for key, g, layout in zip(self.keys, grads, self.layouts):
+            if layout is None:
                 if type(g) not in _PLAIN:
                     return None, None
                 params.append(key)
                 local_grads.append(g)
                 continue
             lg = getattr(g, "_local_tensor", None)
-            if lg is None or tuple(g.placements) != mesh[0] or (
-                    g.device_mesh is not mesh[1] and g.device_mesh != mesh[1]):
+            if lg is None or not laid_out_as(g, layout):
                 return None, None
             params.append(key._local_tensor)
             local_grads.append(lg)

@@ -176,6 +176,13 @@ def place(key: torch.Tensor, name: str) -> Placement:
     return Placement(name, layout, shape, rows, cols, offset, local_rows)
 
 
+def laid_out_as(g, layout: Layout) -> bool:
+    """Whether the DTensor gradient ``g`` has the placements and mesh of ``layout``."""
+    return tuple(g.placements) == tuple(layout.placements) and (
+        g.device_mesh is layout.mesh or g.device_mesh == layout.mesh
+    )
+
+
 def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
               placement: Placement | None = None) -> ParamView:
     """The view of one parameter; ``placement``: its cached :func:`place`."""
@@ -186,9 +193,7 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
     if g is not None:
         lg = getattr(g, "_local_tensor", None)
         if lg is not None:
-            if tuple(g.placements) != tuple(layout.placements) or (
-                g.device_mesh is not layout.mesh and g.device_mesh != layout.mesh
-            ):
+            if not laid_out_as(g, layout):
                 raise NotImplementedError(
                     f"parameter '{name}': gradient placements {tuple(g.placements)} differ from "
                     f"the parameter's {tuple(layout.placements)}; gefen needs the gradient "

@@ -817,10 +817,14 @@ static PyObject *adam_step_rebind(StepPlan *self, PyObject *args, PyObject *kwar
     gefen_view_keep_release(&keep);
     Py_RETURN_FALSE;
   }
+  PyObject *bound = PyList_GetSlice(grads, 0, n); /* a copy: the caller's list may change */
+  if (!bound) {
+    gefen_view_keep_release(&keep);
+    return NULL;
+  }
   unbind_all(self);
   memcpy(self->items, work, (size_t)n * sizeof(gefen_adam_item));
-  Py_INCREF(grads);
-  self->bound = grads;
+  self->bound = bound;
   self->bound_keep = keep;
   Py_RETURN_TRUE;
 }
