@@ -97,8 +97,6 @@ def _time_kept(opt, timer) -> None:
         for i, (device, plan, idx) in enumerate(parts):
             plan = plan._plan if isinstance(plan, _TimedPlan) else plan
             parts[i] = (device, plan if timer is None else _TimedPlan(timer, "AdamStep", plan), idx)
-    if steady.single is not None:
-        steady.single = (steady.phased + steady.whole)[0][1]
 
 
 def profile(name: str, named, steps: int, warmup: int, full: bool = False):

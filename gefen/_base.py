@@ -288,7 +288,7 @@ class _QuantizedOptimizer(Optimizer):
         self._comm.stats.reset_step()  # (a kept plan's agreement counts in this step)
         if self._steady_step():
             return loss
-        plan = self._prepare_step(reset_stats=False)
+        plan = self._prepare_step()
         if plan is not None:
             self._apply_step(plan)
             self._keep_steady(plan)
@@ -327,17 +327,14 @@ class _QuantizedOptimizer(Optimizer):
         self._check_step_inputs([v for v in all_views if v.grad is not None])
         return all_views, lrs
 
-    def _prepare_step(self, outside_error: BaseException | None = None,
-                      reset_stats: bool = True) -> StepPlan | None:
+    def _prepare_step(self, outside_error: BaseException | None = None) -> StepPlan | None:
         """Everything a step does before its first mutation: check every gradient, group
         and kernel input, agree with the other ranks, choose the periods of new
         parameters and learn the codebook when due. Returns None when the step has
         nothing to do (no gradients, or the zero-gradient/zero-lr step of ALGORITHM.md
         §5). Mutates nothing; on any error every rank raises (``outside_error``: a
-        failed check of a composite's other part, agreed here; ``reset_stats``: start this
-        step's collective counts here)."""
-        if reset_stats:
-            self._comm.stats.reset_step()
+        failed check of a composite's other part, agreed here). The caller starts the
+        step's collective counts (``comm_stats``)."""
         error: BaseException | None = outside_error
         all_views: list[ParamView] = []
         lrs: dict[int, float] = {}

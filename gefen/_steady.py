@@ -80,16 +80,20 @@ class SteadyStep:
 
         def keep(prepared):
             # the plans hold no gradient between steps: each item's parameter stands in
-            return [(device, _C.AdamStep([dataclasses.replace(it, grad=it.param) for it in items]),
-                     [at[id(it.param)] for it in items]) for device, _plan, items in prepared]
+            out = []
+            for device, _plan, items in prepared:
+                idx = [at[id(it.param)] for it in items]
+                out.append((device, _C.AdamStep([dataclasses.replace(it, grad=it.param) for it in items]),
+                            None if idx == list(range(len(views))) else idx))
+            return out
 
-        steps, whole, self.buffers, _copies = plan.payload
-        # (device, plan, the indices of its items in self.keys): the two-phase plans of
-        # row-sharded parameters and the whole-step ones, as the full path runs them
+        steps, whole, buffers, _copies = plan.payload
+        # (device, plan, the indices of its items in self.keys, None for all of them in
+        # order: the usual single plan): the two-phase plans of row-sharded parameters and
+        # the whole-step ones, run as the full path runs them
         self.phased, self.whole = keep(steps), keep(whole)
-        parts = self.phased + self.whole
-        # one plan whose items are in key order (the usual case): no re-indexing per step
-        self.single = parts[0][1] if len(parts) == 1 and parts[0][2] == list(range(len(views))) else None
+        self.run_plan = StepPlan([], [], {}, quantizer=plan.quantizer,
+                                 payload=(self.phased, self.whole, buffers, []))
 
     def run(self, opt, switches) -> bool:
         """Step ``opt`` with the kept plans; False (nothing changed; on every rank when
@@ -106,9 +110,8 @@ class SteadyStep:
                 fits = False
             if self.distributed:
                 fits = opt._comm.all_fit(self.all_params, [header], fits)
-            if fits:
-                opt._run_update(StepPlan([], [], {}, quantizer=opt._quantizer,
-                                         payload=(self.phased, self.whole, self.buffers, [])))
+            if fits:  # (the quantiser is the kept one: _bind checked)
+                opt._run_update(self.run_plan)
         finally:
             self._unbind()  # (the plans hold no gradient between steps)
         if not fits:
@@ -159,14 +162,11 @@ class SteadyStep:
         steps = [st["step"] + 1 for st in self.states]
         hypers = [hyper[i] for i in self.item_group]
         seed = opt._global_step
-        if self.single is not None:
-            if not self.single.rebind(params, grads, steps, hypers, seed):
+        for _device, plan, idx in self.phased + self.whole:
+            args = (params, grads, steps, hypers) if idx is None else (
+                [xs[i] for i in idx] for xs in (params, grads, steps, hypers))
+            if not plan.rebind(*args, seed):
                 return False, ""
-        else:
-            for _device, plan, idx in self.phased + self.whole:
-                if not plan.rebind([params[i] for i in idx], [grads[i] for i in idx],
-                                   [steps[i] for i in idx], [hypers[i] for i in idx], seed):
-                    return False, ""
         return True, f"steady|{seed}|{hyper!r}" if self.distributed else ""
 
     def _locals(self, grads):

@@ -280,11 +280,9 @@ class Gefen(_QuantizedOptimizer):
         return False
 
     def _can_keep(self, plan: StepPlan) -> bool:
-        """A steady step's plan (no state created, no codebook relearned) can be kept when
-        every parameter stepped here is on the CPU and contiguous (no copies to write
-        back)."""
-        if plan.pending or plan.new_codebook is not None or plan.new_codes:
-            return False
+        """A steady step's plan (asked only of steps that create no state and relearn no
+        codebook) can be kept when every parameter stepped here is on the CPU and
+        contiguous (no copies to write back)."""
         steps, whole, _buffers, copies = plan.payload
         return not copies and all(d is _CPU for d, *_ in steps + whole)
 

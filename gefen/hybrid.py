@@ -615,6 +615,7 @@ def _prepare_all(children) -> list:
     plans = []
     for child in children:
         if isinstance(child, _QuantizedOptimizer):
+            child._comm.stats.reset_step()
             plans.append(child._prepare_step(plain_error))
             plain_error = None  # agreed (raised) by that child
         else:
