@@ -62,7 +62,7 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
       double sq = 0.0;
       double t0 = now();
       const float mx = ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f,
-                                          0.1f, P, m, &sq);
+                                          0.1f, P, m, &sq, 0);
       double t1 = now();
       memcpy(m0, m, (size_t)P * 4);
       double t2 = now();
@@ -80,7 +80,7 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
                                 .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = scol,
                                 .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-6f};
       double t6b = now();
-      ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f, 0.1f, P, m0, NULL);
+      ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f, 0.1f, P, m0, NULL, 0);
       double t7 = now();
       ops->requantize_apply(q, m0, mx, P, codes + base, &fsink);
       double t8 = now();

@@ -85,7 +85,7 @@ static void momentum_row(const gefen_adam_item *it, const gefen_quantizer *q,
     const int64_t base = r * cols + c0, b = base / P;
     uint8_t *codes = it->codes + base;
     const float mx = ops->adam_momentum(it->grad, it->dtype, base, codes, q, it->magnitude[b],
-                                        beta1, one_minus_beta1, P, m, NULL);
+                                        beta1, one_minus_beta1, P, m, NULL, 0);
     it->magnitude[b] = mx;
     if (it->stochastic_round)
       gefen_requantize_stochastic(q, m, mx, P, codes, it->seed, (it->row_offset + r) * cols + c0);
@@ -346,6 +346,10 @@ static void finish_block(const gefen_adam_item *it, const gefen_quantizer *q,
   }
 }
 
+/* The sink of an item's update. m stays between adam_momentum and
+ * requantize_apply in the primitives' own order (packed) unless the block is
+ * rounded stochastically (gefen_requantize_stochastic reads it in element
+ * order). */
 static gefen_sink adam_sink(const gefen_adam_item *it, const adam_consts *k,
                             gefen_sink_kind kind) {
   return (gefen_sink){.kind = kind,
@@ -354,7 +358,8 @@ static gefen_sink adam_sink(const gefen_adam_item *it, const adam_consts *k,
                       .inv_bc1 = k->inv_bc1,
                       .eps = k->eps,
                       .decay = k->decay,
-                      .lr = k->lr};
+                      .lr = k->lr,
+                      .packed = !it->stochastic_round};
 }
 
 static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
@@ -378,7 +383,8 @@ static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
     const int64_t base = b * P;
     double sq = 0.0;
     const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
-                                        it->magnitude[b], k->beta1, k->one_minus_beta1, P, m, &sq);
+                                        it->magnitude[b], k->beta1, k->one_minus_beta1, P, m, &sq,
+                                        sink.packed);
     it->magnitude[b] = mx;
     const float vm = k->beta2 * it->vmean[b] + k->one_minus_beta2 * (float)(sq / (double)P);
     it->vmean[b] = vm;
@@ -413,7 +419,7 @@ static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
       /* the block's sum of squares is not needed: sq = NULL */
       const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
                                           it->magnitude[b], k->beta1, k->one_minus_beta1, P, m,
-                                          NULL);
+                                          NULL, sink.packed);
       it->magnitude[b] = mx;
       sink.base = base;
       sink.scol = k->scol + c0;

@@ -160,10 +160,11 @@ INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
                                   const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float beta1, float one_minus_beta1, int64_t len, float *m,
-                                  double *sq) {
+                                  double *sq, int packed) {
+  (void)packed; /* m in element order */
   if (dt == GEFEN_F64)
     return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
-                                                one_minus_beta1, len, m, sq);
+                                                one_minus_beta1, len, m, sq, 0);
   const float *cb = q->table.codebook;
 #define CALL(DT) \
   return adam_momentum_t(grad, DT, base, codes, cb, mag_old, beta1, one_minus_beta1, len, m, sq)

@@ -26,7 +26,24 @@
  * portable primitives, so the results agree with them bit for bit.
  *
  * It defines the static functions adam_momentum, muon_momentum, requantize,
- * requantize_apply, dequantize_apply and adam_period1 of gefen_block_ops. */
+ * requantize_apply, dequantize_apply and adam_period1 of gefen_block_ops.
+ *
+ * The packed order (a file that defines PACKED_BF16 as 1 also defines
+ * decode_codes64_packed and store_and_decode64_packed): for bfloat16 Adam
+ * steps, the four vectors of a whole group of 64 hold its elements
+ * {0, 2, .., 30}, {1, 3, .., 31}, {32, 34, .., 62} and {33, .., 63}, so that
+ * a group's 128 bytes of gradient or parameter become floats by a shift and
+ * a mask and go back by a shift and an or: no shuffle (port 5, which the
+ * search saturates) where the element order needs vpmovzxwd and vpmovdw. The
+ * momentum pass writes m in that order and the requantisation pass reads it
+ * so (adam_momentum's packed, the sink's packed); the codes are stored in
+ * element order, the float64 lanes of the sum of squares hold the same terms
+ * in the same order (momentum_t), and every element gets the same operations:
+ * the results are those of the element order, bit for bit. Tails (the last,
+ * partial group of a block) keep the element order in both passes. */
+#ifndef PACKED_BF16
+#define PACKED_BF16 0
+#endif
 
 /* Blocks at least this long search m with scaled thresholds (requantize_t). */
 #define SCALED_MIN_LEN 128
@@ -55,6 +72,55 @@ typedef struct {
   __m512 vmx;
   __m512d lo, hi;
 } momentum_acc;
+
+#if PACKED_BF16
+/* 64 bfloat16 values at p + i as floats in the packed order, and back (rounded
+ * as gefen_store16 rounds). */
+INLINE void load64_bf16_packed(const void *p, int64_t i, __m512 out[4]) {
+  const __m512i odd = _mm512_set1_epi32((int)0xffff0000u);
+  for (int h = 0; h < 2; h++) {
+    const __m512i x = _mm512_loadu_si512((const uint16_t *)p + i + 32 * h);
+    out[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    out[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd));
+  }
+}
+
+INLINE void store64_bf16_packed(void *p, int64_t i, const __m512 v[4]) {
+  for (int h = 0; h < 2; h++) {
+    const __m512i even = gefen_to_bf16_bits(v[2 * h]), odd = gefen_to_bf16_bits(v[2 * h + 1]);
+    _mm512_storeu_si512((uint16_t *)p + i + 32 * h, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+  }
+}
+
+/* A float64 lane accumulator of the sum of squares takes both halves of x,
+ * low then high: in the packed order the even (odd) accumulator's lane a holds
+ * what element order's lane 2a (2a + 1) would, term after term. */
+INLINE void add_halves16(__m512d *acc, __m512 x) {
+  *acc = _mm512_add_pd(*acc, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  *acc = _mm512_add_pd(
+      *acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+}
+
+/* A whole group of the Adam momentum pass in the packed order (bfloat16): the
+ * operations of momentum64, with the squares in even and odd accumulators. */
+INLINE void momentum64_packed(const gefen_quant_search *s, const void *grad, int64_t base,
+                              const uint8_t *codes, __m512 vmag, __m512 vb1, __m512 vomb,
+                              int64_t len, float *m, int64_t j, momentum_acc *acc, __m512d *even,
+                              __m512d *odd, const int want_sq) {
+  gefen_prefetch(codes, 1, j + len, 64); /* the next block, as momentum64 */
+  gefen_prefetch(grad, 2, base + j + len, 64);
+  __m512 c[4], g[4];
+  decode_codes64_packed(s, codes + j, c);
+  load64_bf16_packed(grad, base + j, g);
+  for (int v = 0; v < 4; v++) {
+    const __m512 x = adam_m16(vb1, vomb, _mm512_mul_ps(c[v], vmag), g[v]);
+    _mm512_storeu_ps(m + j + 16 * v, x);
+    acc->vmx = _mm512_max_ps(_mm512_abs_ps(x), acc->vmx); /* NaN never wins */
+  }
+  if (want_sq)
+    for (int v = 0; v < 4; v++) add_halves16(v % 2 ? odd : even, _mm512_mul_ps(g[v], g[v]));
+}
+#endif
 
 /* 64 elements (or the first ones of km) of the momentum pass at j. Called
  * with km all ones (a constant) for whole groups, so that the compiler drops
@@ -86,11 +152,25 @@ INLINE void momentum64(const gefen_quant_search *s, const void *grad, const gefe
 INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
                         int64_t base, const uint8_t *codes, float mag_old, float beta1,
                         float one_minus_beta, int64_t len, float *m, double *sq,
-                        const int muon, const int want_sq) {
+                        const int muon, const int want_sq, const int packed) {
   const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
                vomb = _mm512_set1_ps(one_minus_beta);
   momentum_acc acc = {_mm512_setzero_ps(), _mm512_setzero_pd(), _mm512_setzero_pd()};
   int64_t j = 0;
+#if PACKED_BF16
+  if (packed) { /* Adam, bfloat16: the whole groups in the packed order */
+    __m512d even = _mm512_setzero_pd(), odd = _mm512_setzero_pd();
+    for (; j + 64 <= len; j += 64)
+      momentum64_packed(s, grad, base, codes, vmag, vb1, vomb, len, m, j, &acc, &even, &odd,
+                        want_sq);
+    if (want_sq) { /* element order's lanes: 0-7 = even0 odd0 .. even3 odd3, 8-15 the rest */
+      acc.lo = _mm512_permutex2var_pd(even, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), odd);
+      acc.hi = _mm512_permutex2var_pd(even, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), odd);
+    }
+  }
+#else
+  (void)packed;
+#endif
   for (; j + 64 <= len; j += 64)
     momentum64(s, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, ~(__mmask64)0, &acc, muon,
                want_sq);
@@ -104,13 +184,20 @@ INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gef
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
                                   const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                                   float beta1, float one_minus_beta1, int64_t len, float *m,
-                                  double *sq) {
+                                  double *sq, int packed) {
   if (dt == GEFEN_F64)
     return gefen_block_ops_scalar.adam_momentum(grad, dt, base, codes, q, mag_old, beta1,
-                                                one_minus_beta1, len, m, sq);
+                                                one_minus_beta1, len, m, sq, 0);
   const gefen_quant_search *s = &q->search;
 #define CALL(DT, SQ) \
-  return momentum_t(s, grad, DT, base, codes, mag_old, beta1, one_minus_beta1, len, m, sq, 0, SQ)
+  return momentum_t(s, grad, DT, base, codes, mag_old, beta1, one_minus_beta1, len, m, sq, 0, SQ, 0)
+#define CALL_PACKED(SQ)                                                                       \
+  return momentum_t(s, grad, GEFEN_BF16, base, codes, mag_old, beta1, one_minus_beta1, len, m, \
+                    sq, 0, SQ, 1)
+  if (PACKED_BF16 && packed && dt == GEFEN_BF16) {
+    if (sq) CALL_PACKED(1);
+    CALL_PACKED(0);
+  }
   if (sq) {
     switch (dt) {
       case GEFEN_BF16: CALL(GEFEN_BF16, 1);
@@ -123,6 +210,7 @@ TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base
     case GEFEN_F16: CALL(GEFEN_F16, 0);
     default: CALL(GEFEN_F32, 0);
   }
+#undef CALL_PACKED
 #undef CALL
 }
 
@@ -134,7 +222,7 @@ TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base
                                                 one_minus_beta, len, m);
   const gefen_quant_search *s = &q->search;
 #define CALL(DT) \
-  return momentum_t(s, grad, DT, base, codes, mag_old, 0.0f, one_minus_beta, len, m, NULL, 1, 0)
+  return momentum_t(s, grad, DT, base, codes, mag_old, 0.0f, one_minus_beta, len, m, NULL, 1, 0, 0)
   switch (dt) {
     case GEFEN_BF16: CALL(GEFEN_BF16);
     case GEFEN_F16: CALL(GEFEN_F16);
@@ -259,6 +347,35 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
   }
 }
 
+#if PACKED_BF16
+/* A whole group's dequantised values mq (packed order) to an Adam sink of a
+ * bfloat16 parameter: sink16's operations, the column factors of a factored
+ * sink taken in the packed order by two permutes per 32. */
+INLINE void sink64_packed(const gefen_sink *sk, const gefen_sink_kind kind, int64_t j,
+                          const __m512 mq[4]) {
+  __m512 p[4], s[4];
+  load64_bf16_packed(sk->out, sk->base + j, p);
+  for (int h = 0; h < 2; h++) {
+    if (kind == GEFEN_SINK_ADAM_FACTORED) {
+      const __m512 a = _mm512_loadu_ps(sk->scol + j + 32 * h),
+                   b = _mm512_loadu_ps(sk->scol + j + 32 * h + 16);
+      const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      const __m512 scol[2] = {_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b)};
+      for (int e = 0; e < 2; e++)
+        s[2 * h + e] = _mm512_div_ps(
+            _mm512_set1_ps(sk->inv_bc1),
+            _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->s), scol[e]), _mm512_set1_ps(sk->eps)));
+    } else {
+      s[2 * h] = s[2 * h + 1] = _mm512_set1_ps(sk->s);
+    }
+  }
+  __m512 out[4];
+  for (int v = 0; v < 4; v++) out[v] = adam_param16(p[v], sk->decay, sk->lr, _mm512_mul_ps(mq[v], s[v]));
+  store64_bf16_packed(sk->out, sk->base + j, out);
+}
+#endif
+
 /* 64 elements (or the first ones of km) of the requantisation pass at j
  * (km all ones, a constant, for whole groups: see momentum64). */
 /* mode: how the search gets u = m / mx (see requantize_t). */
@@ -267,7 +384,7 @@ enum { BY_ZERO, BY_DIVISION, BY_SCALED_LEVELS };
 INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels *levels,
                          float *m, __m512 vmx, const int mode, int64_t len, uint8_t *codes,
                          const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
-                         const gefen_dtype out_dt, int64_t j, __mmask64 km) {
+                         const gefen_dtype out_dt, int64_t j, __mmask64 km, const int packed) {
   if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
     gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
   __m512 u[4];
@@ -284,6 +401,16 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
     return;
   }
   __m512 c[4];
+#if PACKED_BF16
+  if (packed) { /* a whole group of a bfloat16 Adam sink: m and u in the packed order */
+    store_and_decode64_packed(s, bits, codes + j, c);
+    for (int v = 0; v < 4; v++) c[v] = _mm512_mul_ps(c[v], vmx);
+    sink64_packed(sk, kind, j, c);
+    return;
+  }
+#else
+  (void)packed;
+#endif
   store_and_decode64(s, bits, codes + j, km, c);
   for (int v = 0; v < 4; v++) {
     const __mmask16 k = part_mask(km, v);
@@ -293,7 +420,7 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
 
 INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
                          uint8_t *codes, const gefen_sink *sink, const gefen_sink_kind kind,
-                         const gefen_dtype dt, const gefen_dtype out_dt) {
+                         const gefen_dtype dt, const gefen_dtype out_dt, const int packed) {
   const gefen_quant_search *s = &q->search;
   /* a copy, so that the stores below (which may alias anything) do not make
    * the compiler read the sink's fields again for every vector */
@@ -317,10 +444,10 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     int64_t j = 0;                                                                          \
     for (; j + 64 <= len; j += 64)                                                          \
       requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
-                   ~(__mmask64)0);                                                          \
-    if (j < len)                                                                            \
+                   ~(__mmask64)0, packed);                                                  \
+    if (j < len) /* the tail in element order, as momentum_t leaves it */                    \
       requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
-                   tail_mask64(len - j));                                                   \
+                   tail_mask64(len - j), 0);                                                \
   } while (0)
   if (mode == BY_SCALED_LEVELS)
     PASS(BY_SCALED_LEVELS);
@@ -339,18 +466,23 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
       (kind == GEFEN_SINK_MUON && sk->nesterov && dt == GEFEN_F64)) {
     /* float64 parameters and gradients: the portable arithmetic */
     const gefen_sink to_m = {.kind = GEFEN_SINK_M};
-    requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+    requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32, 0);
     gefen_sink_apply(gefen_block_ops_avx512(), m, len, sk);
     return;
   }
-#define CALL(KIND, DT, ODT)                                 \
-  requantize_t(q, m, mx, len, codes, sk, KIND, DT, ODT); \
+#define CALL(KIND, DT, ODT)                                    \
+  requantize_t(q, m, mx, len, codes, sk, KIND, DT, ODT, 0); \
   return
-#define BY_OUT(KIND, DT)                                       \
-  switch (out_dt) {                                           \
-    case GEFEN_BF16: CALL(KIND, DT, GEFEN_BF16);              \
-    case GEFEN_F16: CALL(KIND, DT, GEFEN_F16);                \
-    default: CALL(KIND, DT, GEFEN_F32);                       \
+#define BY_OUT(KIND, DT)                                                       \
+  switch (out_dt) {                                                           \
+    case GEFEN_BF16:                                                          \
+      if (PACKED_BF16 && sk->packed) {                                        \
+        requantize_t(q, m, mx, len, codes, sk, KIND, DT, GEFEN_BF16, 1);      \
+        return;                                                               \
+      }                                                                       \
+      CALL(KIND, DT, GEFEN_BF16);                                             \
+    case GEFEN_F16: CALL(KIND, DT, GEFEN_F16);                                \
+    default: CALL(KIND, DT, GEFEN_F32);                                       \
   }
   switch (kind) {
     case GEFEN_SINK_M: CALL(GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
@@ -378,7 +510,7 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
 TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
                               uint8_t *codes) {
   const gefen_sink to_m = {.kind = GEFEN_SINK_M};
-  requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32);
+  requantize_t(q, m, mx, len, codes, &to_m, GEFEN_SINK_M, GEFEN_F32, GEFEN_F32, 0);
 }
 
 

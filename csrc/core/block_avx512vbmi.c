@@ -75,6 +75,36 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
   (void)store_codes_t(s, bits, codes, km);
 }
 
+/* The packed order of bfloat16 Adam steps (block_avx512_kernels.h): vector v
+ * of a whole group holds its elements e(v, i) = 32 (v / 2) + 2 i + v % 2.
+ * decode64 gives out[v] lane 4 L + d the entry of byte 16 L + 4 v + d, so the
+ * codes go in through a byte permute putting code e(v, 4 L + d) there (one
+ * vpermb, as transpose_dwords is one vpermd), and the search's counts, packed
+ * to bytes in that same order, go out through its inverse. */
+#define PACKED_BF16 1
+
+INLINE void decode_codes64_packed(const gefen_quant_search *s, const uint8_t *codes,
+                                  __m512 out[4]) {
+  static const uint8_t in[64] = {0,  2,  4,  6,  1,  3,  5,  7,  32, 34, 36, 38, 33, 35, 37, 39,
+                                 8,  10, 12, 14, 9,  11, 13, 15, 40, 42, 44, 46, 41, 43, 45, 47,
+                                 16, 18, 20, 22, 17, 19, 21, 23, 48, 50, 52, 54, 49, 51, 53, 55,
+                                 24, 26, 28, 30, 25, 27, 29, 31, 56, 58, 60, 62, 57, 59, 61, 63};
+  decode64(s, _mm512_permutexvar_epi8(_mm512_loadu_si512(in), _mm512_loadu_si512(codes)), out);
+}
+
+INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i bits[4],
+                                      uint8_t *codes, __m512 out[4]) {
+  static const uint8_t back[64] = {0,  4,  1,  5,  2,  6,  3,  7,  16, 20, 17, 21, 18, 22, 19, 23,
+                                   32, 36, 33, 37, 34, 38, 35, 39, 48, 52, 49, 53, 50, 54, 51, 55,
+                                   8,  12, 9,  13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31,
+                                   40, 44, 41, 45, 42, 46, 43, 47, 56, 60, 57, 61, 58, 62, 59, 63};
+  const __m512i w01 = _mm512_packus_epi32(bits[0], bits[1]);
+  const __m512i w23 = _mm512_packus_epi32(bits[2], bits[3]);
+  const __m512i codes_t = lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
+  _mm512_storeu_si512(codes, _mm512_permutexvar_epi8(_mm512_loadu_si512(back), codes_t));
+  decode64(s, codes_t, out);
+}
+
 #include "block_avx512_kernels.h"
 
 static const gefen_block_ops ops_avx512vbmi = {

@@ -244,7 +244,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
   gefen_error err;
   CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create");
   const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
-  const int64_t lens[] = {1, 5, 16, 17, 27, 64, 100, 768, 2048, 3072};
+  const int64_t lens[] = {1, 5, 16, 17, 27, 64, 100, 128, 191, 768, 2048, 3072};
   enum { MAXL = 3072 };
   static float m1[MAXL], m2[MAXL], m3[MAXL], scol[MAXL];
   static uint8_t codes[MAXL], c1[MAXL], c2[MAXL];
@@ -277,8 +277,8 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
       }
       double sq1 = 0, sq2 = 0;
       float mx1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f,
-                                                       len, m1, &sq1);
-      float mx2 = simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m2, &sq2);
+                                                       len, m1, &sq1, 0);
+      float mx2 = simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m2, &sq2, 0);
       CHECK(mx1 == mx2, "%s: adam_momentum max differs (dt %d len %lld)", name, dt,
             (long long)len);
       CHECK(memcmp(m1, m2, 4 * (size_t)len) == 0, "%s: adam_momentum m differs (dt %d len %lld)",
@@ -286,8 +286,37 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
       CHECK(memcmp(&sq1, &sq2, sizeof sq1) == 0, "%s: sum of squares %.17g vs %.17g", name, sq1,
             sq2);
       /* without the sum of squares (the factored form): the same m */
-      simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m3, NULL);
+      simd->adam_momentum(g, dt, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m3, NULL, 0);
       CHECK(memcmp(m1, m3, 4 * (size_t)len) == 0, "%s: adam_momentum without sq", name);
+      /* the momentum in the primitives' own order (packed) and the
+       * requantisation reading it so, to a block and a factored Adam sink:
+       * the element order's bits (codes, parameters, max, sum of squares) */
+      for (int fac = 0; fac < 2; fac++) {
+        static float ma[MAXL], mb[MAXL];
+        static uint8_t qa[4 * MAXL], qb[4 * MAXL], ka[MAXL], kb[MAXL];
+        memcpy(qa, pa, esz * (size_t)len);
+        memcpy(qb, pa, esz * (size_t)len);
+        memcpy(ka, codes, (size_t)len);
+        memcpy(kb, codes, (size_t)len);
+        double s1 = 0, s2 = 0;
+        const float x1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, ka, q, 0.02f, 0.9f, 0.1f,
+                                                              len, ma, fac ? NULL : &s1, 0);
+        const float x2 = simd->adam_momentum(g, dt, 0, kb, q, 0.02f, 0.9f, 0.1f, len, mb,
+                                             fac ? NULL : &s2, 1);
+        gefen_sink sk = {.kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK,
+                         .out = qa, .out_dtype = dt, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f,
+                         .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f};
+        gefen_block_ops_scalar.requantize_apply(q, ma, x1, len, ka, &sk);
+        sk.out = qb;
+        sk.packed = 1;
+        simd->requantize_apply(q, mb, x2, len, kb, &sk);
+        CHECK(x1 == x2 && memcmp(&s1, &s2, sizeof s1) == 0,
+              "%s: packed momentum: max %g vs %g, sum %.17g vs %.17g (dt %d len %lld)", name, x1,
+              x2, s1, s2, dt, (long long)len);
+        CHECK(memcmp(ka, kb, (size_t)len) == 0 && memcmp(qa, qb, esz * (size_t)len) == 0,
+              "%s: packed %s step: %s differ (dt %d len %lld)", name, fac ? "factored" : "block",
+              memcmp(ka, kb, (size_t)len) ? "codes" : "parameters", dt, (long long)len);
+      }
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
       CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: codes differ (dt %d len %lld)", name, dt,
