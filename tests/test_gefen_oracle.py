@@ -165,3 +165,13 @@ def test_exact_sum_is_the_correctly_rounded_sum():
         assert _C.exact_sum(x.flip(0)) == _C.exact_sum(x)
     with pytest.raises(ValueError, match="negative or not finite"):
         _C.exact_sum(torch.tensor([1.0, -1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("factored", [True, False])
+def test_matches_oracle_long_half_precision_rows(dtype, factored):
+    # blocks of whole rows (200, 320 and 96 elements): whole groups of 64 and tails, where
+    # the vectorised kernels read and write half-precision values in their own order
+    # (bfloat16: the packed order of csrc/core/block_avx512_kernels.h)
+    kw = {} if factored else {"period": "row"}
+    _run([(6, 200), (4, 320), (96,)], dtype, factored, weight_decay=0.05, steps=3, **kw)
