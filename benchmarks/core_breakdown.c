@@ -11,6 +11,10 @@
  *   fused         requantize_apply: the requantisation and the apply in one pass
  *   row_stats     the factored form's first pass (sums of g^2 per row and column)
  *   muon          GefenMuon's momentum and fused requantisation into a bf16 output
+ *   bf16 step     a block step (momentum + fused) of bfloat16 gradients and parameters,
+ *                 with the momentum between the passes in element order, and packed
+ *                 (the VBMI version's own order: no shuffles for the bf16 loads and
+ *                 stores; the other versions ignore the flag, so both columns match)
  *
  * A block step is momentum + fused (or requantize + apply); a factored step adds the
  * row statistics.
@@ -30,15 +34,16 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-enum { N_STAGES = 9 };
+enum { N_STAGES = 11 };
 static const char *stage_names[N_STAGES] = {
     "momentum(block)", "requantize",      "apply(block)", "apply(factored)",
     "fused(block)",    "fused(factored)", "row_stats",    "muon(momentum+fused)",
-    "momentum(factored)"};
+    "momentum(factored)", "bf16 step",       "bf16 step(packed)"};
 
 static void run(const char *label, const gefen_block_ops *ops, const gefen_quantizer *q,
                 int64_t n, int64_t P) {
-  uint16_t *out = malloc((size_t)n * 2);
+  uint16_t *out = malloc((size_t)n * 2), *g16 = malloc((size_t)n * 2),
+           *p16 = malloc((size_t)n * 2);
   float *g = malloc((size_t)n * 4), *p = malloc((size_t)n * 4), *m = malloc((size_t)P * 4),
         *m0 = malloc((size_t)P * 4), *scol = malloc((size_t)P * 4);
   uint8_t *codes = malloc((size_t)n);
@@ -47,6 +52,10 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
   for (int64_t i = 0; i < n; i++) {
     g[i] = (float)(rand() % 2001 - 1000) / 1000.0f;
     p[i] = 1.0f;
+    uint32_t bits;
+    memcpy(&bits, &g[i], sizeof bits);
+    g16[i] = (uint16_t)(bits >> 16); /* g truncated to bfloat16 */
+    p16[i] = 0x3f80u;                /* 1.0 */
     codes[i] = (uint8_t)(rand() & 255);
   }
   for (int64_t j = 0; j < P; j++) scol[j] = 0.5f;
@@ -94,6 +103,20 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
           ops->muon_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.05f, P, m0);
       ops->requantize_apply(q, m0, mxm, P, codes + base, &msink);
       double t10 = now();
+      double tb[2];
+      for (int packed = 0; packed < 2; packed++) {
+        const double s0 = now();
+        double bsq = 0.0;
+        const float bmx = ops->adam_momentum(g16, GEFEN_BF16, base, codes + base, q, 0.5f, 0.9f,
+                                             0.1f, P, m0, &bsq, packed);
+        const gefen_sink bsink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = p16,
+                                  .out_dtype = GEFEN_BF16, .base = base, .s = 0.1f,
+                                  .decay = 0.999f, .lr = 1e-6f, .packed = packed};
+        ops->requantize_apply(q, m0, bmx, P, codes + base, &bsink);
+        tb[packed] = now() - s0;
+      }
+      t[9] += tb[0];
+      t[10] += tb[1];
       t[0] += t1 - t0;
       t[1] += t3 - t2;
       t[2] += t4 - t3;
@@ -115,6 +138,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
     printf("  %s %.3f", stage_names[s], (in_cache ? best[s] : sum[s] / reps) * e);
   printf("  ns/element\n");
   free(out);
+  free(g16);
+  free(p16);
   free(g);
   free(p);
   free(m);

@@ -195,3 +195,41 @@ def test_sharded_step_benchmark_runs_fsdp2_on_two_ranks(tmp_path):
     assert rows["gefen"]["collectives"] > 0 and rows["gefen"]["comm_bytes"] > 0
     assert rows["adamw-fused"]["bytes_per_param"] == pytest.approx(8.0, rel=1e-3)
     assert rows["gefen"]["bytes_per_param"] < 1.2
+
+
+def _cc():
+    import shutil
+
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+@pytest.mark.skipif(_cc() is None, reason="no C compiler")
+def test_c_benchmarks_build_and_core_step_runs(tmp_path):
+    """core_breakdown.c and core_step.c use the core's internal primitives (block_ops.h),
+    whose signatures change with the kernels: both must still compile and link, and
+    core_step must run a tiny set (d = 64, two steps) through every phase it reports."""
+    core = sorted(
+        os.path.join(ROOT, "csrc", "core", f)
+        for f in os.listdir(os.path.join(ROOT, "csrc", "core")) if f.endswith(".c")
+    )
+    flags = ["-std=c11", "-O1", "-ffp-contract=off", "-fopenmp", "-Wall", "-Werror",
+             "-Wno-missing-field-initializers", "-I", os.path.join(ROOT, "csrc", "core")]
+    r = subprocess.run([_cc(), *flags, "-c", *core], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)  # the core once, for both programs
+    assert r.returncode == 0, r.stderr[-3000:]
+    objects = sorted(str(f) for f in tmp_path.glob("*.o"))
+    for prog in ("core_breakdown", "core_step"):
+        r = subprocess.run(
+            [_cc(), *flags, os.path.join(BENCH, prog + ".c"), *objects,
+             "-o", str(tmp_path / prog), "-lm"], capture_output=True, text=True, timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([str(tmp_path / "core_step"), "64", "2", "fp32,bf16,fp16"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for dtype in ("fp32", "bf16", "fp16"):
+        for nt in (1, 2):
+            assert f"{dtype}, {nt} thread(s)" in r.stdout
+    for what in ("block: update", "factored: whole step", "gefen_adam_step (one call)",
+                 "GefenMuon momentum"):
+        assert r.stdout.count(what) == 6, what
