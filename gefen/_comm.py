@@ -175,14 +175,12 @@ class Comm:
             return flags
         group = self.group(params)
         d = _words(digest(header))
-        vals = self._agreement(group, d, flags, kept=False)
-        if vals[-2]:  # a rank tried its kept plans: it takes the full path too, agree with it
-            vals = self._agreement(group, d, flags, kept=False)
-        hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
-        reduced = vals[2 * _DIGEST_WORDS : 2 * _DIGEST_WORDS + _N_FLAGS]
+        same, reduced, some_tried, _all_tried = self._agreement(group, d, flags, kept=False)
+        if some_tried:  # a rank tried its kept plans: it takes the full path too, agree with it
+            same, reduced, _some, _all = self._agreement(group, d, flags, kept=False)
         if reduced[FLAG_ERROR]:  # first: a failed rank's header may be incomplete
             self._raise_error(group, error)
-        if hi != [-w for w in neg_lo]:
+        if not same:
             self._raise_divergence(group, header)
         if error is not None:  # unreachable: the flag was set
             raise error
@@ -198,18 +196,24 @@ class Comm:
         group = self.group(params)
         flags = [0] * _N_FLAGS
         flags[FLAG_ERROR] = 0 if fits else 1  # (read here only: "does not fit")
-        vals = self._agreement(group, _words(digest(header)), flags, kept=True)
-        hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
-        all_kept = vals[-1] == -1  # the MAX of -1 from every rank that tried
-        return all_kept and not vals[2 * _DIGEST_WORDS + FLAG_ERROR] and hi == [-w for w in neg_lo]
+        same, reduced, _some, all_tried = self._agreement(group, _words(digest(header)), flags,
+                                                          kept=True)
+        return all_tried and not reduced[FLAG_ERROR] and same
 
-    def _agreement(self, group, d: list[int], flags: list[int], kept: bool) -> list[int]:
-        """One agreement collective (MAX): the digest words, their negatives, the flags,
-        then whether some rank tried its kept plans and (negated) whether all did."""
+    def _agreement(self, group, d: list[int], flags: list[int],
+                   kept: bool) -> tuple[bool, list[int], bool, bool]:
+        """One agreement collective (MAX) of the digest words, their negatives, the flags,
+        whether this rank tried its kept plans and (negated) whether it did not. Returns
+        whether every rank's digest is the same, the reduced flags, whether some rank
+        tried its kept plans and whether every rank did."""
         tail = [1, -1] if kept else [0, 0]
         buf = torch.tensor(d + [-w for w in d] + flags + tail, dtype=torch.int64)
         self._reduce("agree", buf, group, dist.ReduceOp.MAX)
-        return buf.tolist()
+        vals = buf.tolist()
+        hi, neg_lo = vals[:_DIGEST_WORDS], vals[_DIGEST_WORDS : 2 * _DIGEST_WORDS]
+        reduced = vals[2 * _DIGEST_WORDS : 2 * _DIGEST_WORDS + _N_FLAGS]
+        some_tried, neg_all = vals[-2:]
+        return hi == [-w for w in neg_lo], reduced, bool(some_tried), neg_all == -1
 
     def _gather_objects(self, group, obj) -> list:
         out = [None] * dist.get_world_size(group)

@@ -6,6 +6,7 @@ running them by hand."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -198,8 +199,6 @@ def test_sharded_step_benchmark_runs_fsdp2_on_two_ranks(tmp_path):
 
 
 def _cc():
-    import shutil
-
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 

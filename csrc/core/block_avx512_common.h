@@ -80,7 +80,8 @@ GEFEN_AVX512_INLINE void gefen_prefetch(const void *p, size_t esz, int64_t i, in
 /* Bytes per element of a float32/bfloat16/float16 buffer. */
 GEFEN_AVX512_INLINE size_t gefen_esz(gefen_dtype dt) { return dt == GEFEN_F32 ? 4 : 2; }
 
-/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15). */
+/* Adds the 16 fp32 values of x to the float64 lanes lo (0-7) and hi (8-15); lo
+ * and hi may be one accumulator, which then takes the low half first. */
 GEFEN_AVX512_INLINE void gefen_add_lanes16(__m512d *lo, __m512d *hi, __m512 x) {
   *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
   *hi = _mm512_add_pd(

@@ -92,15 +92,6 @@ INLINE void store64_bf16_packed(void *p, int64_t i, const __m512 v[4]) {
   }
 }
 
-/* A float64 lane accumulator of the sum of squares takes both halves of x,
- * low then high: in the packed order the even (odd) accumulator's lane a holds
- * what element order's lane 2a (2a + 1) would, term after term. */
-INLINE void add_halves16(__m512d *acc, __m512 x) {
-  *acc = _mm512_add_pd(*acc, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
-  *acc = _mm512_add_pd(
-      *acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
-}
-
 /* A whole group of the Adam momentum pass in the packed order (bfloat16): the
  * operations of momentum64, with the squares in even and odd accumulators. */
 INLINE void momentum64_packed(const gefen_quant_search *s, const void *grad, int64_t base,
@@ -117,8 +108,15 @@ INLINE void momentum64_packed(const gefen_quant_search *s, const void *grad, int
     _mm512_storeu_ps(m + j + 16 * v, x);
     acc->vmx = _mm512_max_ps(_mm512_abs_ps(x), acc->vmx); /* NaN never wins */
   }
+  /* the squares: one float64 accumulator takes both halves of a vector, low then high
+   * (gefen_add_lanes16 with lo = hi), so that in the packed order the even (odd)
+   * accumulator's lane a holds what the element order's lane 2a (2a + 1) would, term
+   * after term */
   if (want_sq)
-    for (int v = 0; v < 4; v++) add_halves16(v % 2 ? odd : even, _mm512_mul_ps(g[v], g[v]));
+    for (int v = 0; v < 4; v++) {
+      __m512d *acc = v % 2 ? odd : even;
+      gefen_add_lanes16(acc, acc, _mm512_mul_ps(g[v], g[v]));
+    }
 }
 #endif
 
