@@ -246,16 +246,25 @@ def test_kept_plan_holds_no_gradient(runs):
 
 def test_rebind_refuses_what_it_did_not_parse():
     """AdamStep.rebind takes nothing and returns False when a tensor differs from the
-    plan; it raises for lists of the wrong length; it holds the gradients it took until
+    plan (parameter, state and plan unchanged: the next rebind steps the bits of the full
+    path); it raises for lists of the wrong length; it holds the gradients it took until
     unbind()."""
-    params = _params()[:1]
-    opt = gefen.Gefen(params, lr=1e-2)
+    params, twin = _params()[:1], _params()[:1]
+    opt, ref_opt = gefen.Gefen(params, lr=1e-2), gefen.Gefen(twin, lr=1e-2)
+    ref_opt._keep_steady = lambda plan: None
     for k in range(3):
-        _grads(params, k)
-        opt.step()
+        for ps, o in ((params, opt), (twin, ref_opt)):
+            _grads(ps, k)
+            o.step()
     plan = opt._steady.whole[0][1]  # (the one plan of plain CPU parameters)
     p = params[0]
-    hyper = [(1e-2, 0.9, 0.999, 1e-8, 0.0, False)]
+    st = opt.state[p]
+
+    def snapshot():
+        return [p.detach().clone()] + [st[k].clone() for k in ("codes", "magnitude", "v_row", "v_col")]
+
+    before = snapshot()
+    hyper = [_steady.group_hyper(opt.param_groups[0], 1e-2)]
     for grad in (p.grad.double(), p.grad[:-1], p.grad.t(), torch.zeros(24 * 40)):
         assert plan.rebind([p], [grad], [4], hyper, 3) is False
     assert plan.rebind([p.detach().clone()], [p.grad], [4], hyper, 3) is False
@@ -263,15 +272,20 @@ def test_rebind_refuses_what_it_did_not_parse():
     assert plan.rebind([p], [p.grad], [4], [(1e-2, 0.9)], 3) is False
     with pytest.raises(ValueError, match="one entry each"):
         plan.rebind([p, p], [p.grad], [4], hyper, 3)
-    grad = torch.randn_like(p)
+    _same(snapshot(), before)
+    _grads(params, 3)
+    _grads(twin, 3)
+    grad = p.grad
+    p.grad = None
     ref = weakref.ref(grad)
-    before = p.detach().clone()
     assert plan.rebind([p], [grad], [4], hyper, 3) is True
     del grad
     gc.collect()
     assert ref() is not None  # bound
     plan.step(opt._quantizer, 1)
-    assert not torch.equal(p, before)
+    ref_opt.step()  # the full path, the same step
+    rs = ref_opt.state[twin[0]]
+    _same(snapshot(), [twin[0].detach().clone()] + [rs[k].clone() for k in ("codes", "magnitude", "v_row", "v_col")])
     plan.unbind()
     gc.collect()
     assert ref() is None
