@@ -33,14 +33,17 @@ GEFEN_AVX512_INLINE __m512 gefen_load16(const void *p, gefen_dtype dt, int64_t i
   }
 }
 
-/* fp32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as gefen_f32_to_bf16). */
+/* fp32 -> bfloat16 bits, round to nearest even, NaN kept quiet (as
+ * gefen_f32_to_bf16). The NaN lanes are fixed only in a vector that has one
+ * (a branch that almost never goes that way, cheaper than doing it always). */
 GEFEN_AVX512_INLINE __m512i gefen_to_bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(
       _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  if (!nan) return rounded;
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   return _mm512_mask_mov_epi32(rounded, nan, quiet);
 }
 
@@ -51,12 +54,14 @@ GEFEN_AVX512_INLINE void gefen_store16(void *p, gefen_dtype dt, int64_t i, __m51
       break;
     case GEFEN_F16: {
       /* a NaN becomes sign | 0x7e00 as in gefen_f32_to_f16 (the conversion
-       * instruction would keep payload bits) */
+       * instruction would keep payload bits); only a vector with one is fixed */
       const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
-          _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
-          _mm512_set1_epi32(0x7fc00000)));
-      v = _mm512_mask_mov_ps(v, nan, canon);
+      if (nan) {
+        const __m512 canon = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)),
+            _mm512_set1_epi32(0x7fc00000)));
+        v = _mm512_mask_mov_ps(v, nan, canon);
+      }
       _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
                                _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       break;

@@ -413,6 +413,17 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
           const int64_t i = (int64_t)(rng() % (uint64_t)len);
           memcpy(&m0[i], &specials[s], 4);
         }
+      if (variant == 0) /* special values in the gradient (Adam's parameters, Muon's
+                         * Nesterov blend) where mq is finite, so that no two NaNs of
+                         * different payloads meet (whose sum may take either); payloads
+                         * in the low half reach the bfloat16 rounding, which quietens
+                         * them without a carry into the high half */
+        for (int s = 0; s < 12 && s < len; s++) {
+          static const uint32_t more[2] = {0x7fffffffu, 0xffc0ffffu};
+          const int64_t k = (int64_t)(rng() % (uint64_t)len);
+          memcpy(&g32[k], s < 10 ? &specials[s] : &more[s - 10], 4);
+          memcpy(&g16[k], (const char *)&g32[k] + 2, 2);
+        }
       if (variant == 4) {
         const float scale = ldexpf(1.0f, (int)(rng() % 41) - 20);
         for (int64_t j = 0; j < len; j++) {
