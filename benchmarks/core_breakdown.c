@@ -1,8 +1,8 @@
 /* Where the time of a Gefen step goes on this CPU: each block primitive of the C core
  * timed alone (ns per element, one thread), in cache (a few blocks) and out of cache
- * (64M elements), for every version this CPU has (AVX-512 + VBMI, AVX-512, AVX2,
- * portable). In cache, each figure is the best of several repetitions, so that a busy
- * machine disturbs it less.
+ * (64M elements), for every version this CPU has (AVX-512 + VBMI + BF16, AVX-512 + VBMI,
+ * AVX-512, AVX2, portable). In cache, each figure is the best of several repetitions, so
+ * that a busy machine disturbs it less.
  *
  *   momentum      dequantise, update the momentum, max |m| and (block form) the sum
  *                 of g^2
@@ -13,8 +13,9 @@
  *   muon          GefenMuon's momentum and fused requantisation into a bf16 output
  *   bf16 step     a block step (momentum + fused) of bfloat16 gradients and parameters,
  *                 with the momentum between the passes in element order, and packed
- *                 (the VBMI version's own order: no shuffles for the bf16 loads and
+ *                 (the VBMI versions' own order: no shuffles for the bf16 loads and
  *                 stores; the other versions ignore the flag, so both columns match)
+ *   fp16 step     the same with float16 gradients and parameters (element order)
  *
  * A block step is momentum + fused (or requantize + apply); a factored step adds the
  * row statistics.
@@ -34,16 +35,16 @@ static double now(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-enum { N_STAGES = 11 };
+enum { N_STAGES = 12 };
 static const char *stage_names[N_STAGES] = {
     "momentum(block)", "requantize",      "apply(block)", "apply(factored)",
     "fused(block)",    "fused(factored)", "row_stats",    "muon(momentum+fused)",
-    "momentum(factored)", "bf16 step",       "bf16 step(packed)"};
+    "momentum(factored)", "bf16 step",       "bf16 step(packed)", "fp16 step"};
 
 static void run(const char *label, const gefen_block_ops *ops, const gefen_quantizer *q,
                 int64_t n, int64_t P) {
   uint16_t *out = malloc((size_t)n * 2), *g16 = malloc((size_t)n * 2),
-           *p16 = malloc((size_t)n * 2);
+           *p16 = malloc((size_t)n * 2), *h16 = malloc((size_t)n * 2), *ph16 = malloc((size_t)n * 2);
   float *g = malloc((size_t)n * 4), *p = malloc((size_t)n * 4), *m = malloc((size_t)P * 4),
         *m0 = malloc((size_t)P * 4), *scol = malloc((size_t)P * 4);
   uint8_t *codes = malloc((size_t)n);
@@ -56,6 +57,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
     memcpy(&bits, &g[i], sizeof bits);
     g16[i] = (uint16_t)(bits >> 16); /* g truncated to bfloat16 */
     p16[i] = 0x3f80u;                /* 1.0 */
+    h16[i] = (uint16_t)(0x3800u + (uint16_t)(rand() & 0x3ff)) | (uint16_t)((rand() & 1) << 15);
+    ph16[i] = 0x3c00u; /* float16: g in +-[0.5, 1), p = 1.0 */
     codes[i] = (uint8_t)(rand() & 255);
   }
   for (int64_t j = 0; j < P; j++) scol[j] = 0.5f;
@@ -115,6 +118,17 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
         ops->requantize_apply(q, m0, bmx, P, codes + base, &bsink);
         tb[packed] = now() - s0;
       }
+      {
+        const double s0 = now();
+        double hsq = 0.0;
+        const float hmx = ops->adam_momentum(h16, GEFEN_F16, base, codes + base, q, 0.5f, 0.9f,
+                                             0.1f, P, m0, &hsq, 0);
+        const gefen_sink hsink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = ph16,
+                                  .out_dtype = GEFEN_F16, .base = base, .s = 0.1f,
+                                  .decay = 0.999f, .lr = 1e-6f};
+        ops->requantize_apply(q, m0, hmx, P, codes + base, &hsink);
+        t[11] += now() - s0;
+      }
       t[9] += tb[0];
       t[10] += tb[1];
       t[0] += t1 - t0;
@@ -140,6 +154,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
   free(out);
   free(g16);
   free(p16);
+  free(h16);
+  free(ph16);
   free(g);
   free(p);
   free(m);
@@ -165,7 +181,8 @@ int main(void) {
   const struct {
     const char *name;
     const gefen_block_ops *ops;
-  } paths[] = {{"avx512vbmi", gefen_block_ops_avx512vbmi()},
+  } paths[] = {{"avx512bf16", gefen_block_ops_avx512bf16()},
+               {"avx512vbmi", gefen_block_ops_avx512vbmi()},
                {"avx512", gefen_block_ops_avx512()},
                {"avx2", gefen_block_ops_avx2()},
                {"portable", &gefen_block_ops_scalar}};

@@ -130,8 +130,8 @@ def report() -> dict:
             "CUDA kernels": _cuda_build_line(info),
         },
         "this machine": {
-            "CPU kernels": f"{_C.simd_path()} (chosen at run time; avx512vbmi, avx512, avx2 and portable "
-                           f"give the same bits)",
+            "CPU kernels": f"{_C.simd_path()} (chosen at run time; avx512bf16, avx512vbmi, avx512, "
+                           f"avx2 and portable give the same bits)",
             "threads": _threads_line(_C),
             "CUDA device": "visible" if _C.cuda_available()
             else "none visible" if info["cuda"] else "not built in",

@@ -86,7 +86,9 @@ def _cpu_flags():
 
 def test_simd_path_is_the_one_this_cpu_supports():
     flags = _cpu_flags()
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi"} <= flags:
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags:
+        expected = "avx512bf16"
+    elif {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi"} <= flags:
         expected = "avx512vbmi"
     elif {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         expected = "avx512"

@@ -45,6 +45,30 @@
 #define PACKED_BF16 0
 #endif
 
+/* CVT_BF16 (a file whose target has AVX512-BF16 defines it as 1): the sinks
+ * round float32 to bfloat16 by vcvtneps2bf16 / vcvtne2ps2bf16, which round to
+ * nearest even and quieten NaN exactly as gefen_to_bf16_bits does, except that
+ * they flush float32 subnormals to zero: a vector holding one (lanes masked
+ * off included) takes gefen_to_bf16_bits instead. */
+#ifndef CVT_BF16
+#define CVT_BF16 0
+#endif
+
+#if CVT_BF16
+INLINE int any_subnormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x20) != 0; }
+#endif
+
+/* gefen_store16, with the BF16 conversion where this file has it. */
+INLINE void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
+#if CVT_BF16
+  if (dt == GEFEN_BF16 && !any_subnormal(v)) {
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, k, (__m256i)_mm512_cvtneps_pbh(v));
+    return;
+  }
+#endif
+  gefen_store16(p, dt, i, v, k);
+}
+
 /* Blocks at least this long search m with scaled thresholds (requantize_t). */
 #define SCALED_MIN_LEN 128
 
@@ -87,6 +111,18 @@ INLINE void load64_bf16_packed(const void *p, int64_t i, __m512 out[4]) {
 
 INLINE void store64_bf16_packed(void *p, int64_t i, const __m512 v[4]) {
   for (int h = 0; h < 2; h++) {
+#if CVT_BF16
+    if (!any_subnormal(v[2 * h]) && !any_subnormal(v[2 * h + 1])) {
+      /* 16 even then 16 odd values, interleaved by one word permute */
+      static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                         21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                         11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(v[2 * h + 1], v[2 * h]);
+      _mm512_storeu_si512((uint16_t *)p + i + 32 * h,
+                          _mm512_permutexvar_epi16(_mm512_loadu_si512(order), w));
+      continue;
+    }
+#endif
     const __m512i even = gefen_to_bf16_bits(v[2 * h]), odd = gefen_to_bf16_bits(v[2 * h + 1]);
     _mm512_storeu_si512((uint16_t *)p + i + 32 * h, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
   }
@@ -328,7 +364,7 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
                           _mm512_add_ps(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, sk->scol + i)),
                                         _mm512_set1_ps(sk->eps)));
       const __m512 p = gefen_load16(sk->out, out_dt, at, k);
-      gefen_store16(sk->out, out_dt, at, adam_param16(p, sk->decay, sk->lr, _mm512_mul_ps(mq, s)), k);
+      store16(sk->out, out_dt, at, adam_param16(p, sk->decay, sk->lr, _mm512_mul_ps(mq, s)), k);
       break;
     }
     case GEFEN_SINK_MUON: {
@@ -337,7 +373,7 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
         o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->beta), mq),
                           _mm512_mul_ps(_mm512_set1_ps(sk->one_minus_beta),
                                         gefen_load16(sk->grad, dt, at, k)));
-      gefen_store16(sk->out, out_dt, at, o, k);
+      store16(sk->out, out_dt, at, o, k);
       break;
     }
     case GEFEN_SINK_CODES: /* no values are formed (requantize64) */
@@ -606,7 +642,7 @@ INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, cons
     const int64_t i = j + 16 * v;
     const __m512 delta = _mm512_mul_ps(_mm512_mul_ps(c[v], mx[v]), step[v]);
     const __m512 p = gefen_load16(a->param, dt, i, k);
-    gefen_store16(a->param, dt, i, adam_param16(p, a->decay, a->lr, delta), k);
+    store16(a->param, dt, i, adam_param16(p, a->decay, a->lr, delta), k);
   }
 }
 

@@ -179,6 +179,10 @@ extern const gefen_block_ops gefen_block_ops_scalar;
  * exact lookup table, the AVX-512 versions do not. */
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q);
 
+/* The AVX-512 + VBMI + BF16 primitives (those of VBMI, bfloat16 rounded by
+ * the BF16 conversion), or NULL when this CPU (or build) has none. */
+const gefen_block_ops *gefen_block_ops_avx512bf16(void);
+
 /* The AVX-512 + VBMI primitives, or NULL when this CPU (or build) has none. */
 const gefen_block_ops *gefen_block_ops_avx512vbmi(void);
 

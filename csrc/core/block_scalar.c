@@ -417,6 +417,7 @@ const gefen_block_ops gefen_block_ops_scalar = {
 
 const char *gefen_core_simd_path(void) {
   const gefen_block_ops *ops = gefen_block_ops_for(NULL);
+  if (ops == gefen_block_ops_avx512bf16()) return "avx512bf16";
   if (ops == gefen_block_ops_avx512vbmi()) return "avx512vbmi";
   if (ops == gefen_block_ops_avx512()) return "avx512";
   if (ops == gefen_block_ops_avx2()) return "avx2";
@@ -425,7 +426,8 @@ const char *gefen_core_simd_path(void) {
 
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
   /* the threshold search of the AVX-512 versions is exact for every codebook */
-  const gefen_block_ops *ops = gefen_block_ops_avx512vbmi();
+  const gefen_block_ops *ops = gefen_block_ops_avx512bf16();
+  if (!ops) ops = gefen_block_ops_avx512vbmi();
   if (!ops) ops = gefen_block_ops_avx512();
   if (ops) return ops;
   /* the AVX2 requantisation needs the exact lookup table */

@@ -56,7 +56,8 @@ int gefen_core_version(void);
 /* 1 when the core was built with OpenMP threads, else 0. */
 int gefen_core_has_threads(void);
 /* The element kernels the core runs on this CPU (chosen at run time, all
- * bit-identical): "avx512vbmi", "avx512", "avx2" or "portable". */
+ * bit-identical): "avx512bf16" (AVX-512 with VBMI and BF16), "avx512vbmi", "avx512",
+ * "avx2" or "portable". */
 const char *gefen_core_simd_path(void);
 /* The threads a call with nthreads = 0 uses: OpenMP's default, 1 without it. */
 int gefen_core_default_threads(void);

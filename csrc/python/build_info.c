@@ -40,7 +40,7 @@ PyObject *gefen_py_build_info(PyObject *self, PyObject *unused) {
       "limited_api", (unsigned long)Py_LIMITED_API, "core_version", gefen_core_version());
 }
 
-/* simd_path() -> "avx512vbmi", "avx512", "avx2" or "portable": the element
+/* simd_path() -> "avx512bf16", "avx512vbmi", "avx512", "avx2" or "portable": the element
  * kernels the core runs on this CPU. */
 PyObject *gefen_py_simd_path(PyObject *self, PyObject *unused) {
   (void)self;

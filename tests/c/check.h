@@ -41,9 +41,14 @@ static inline float test_normal(void) {
 }
 
 /* The SIMD versions of the block primitives this CPU has, with their names
- * (most capable first). */
+ * (most capable first): at most TEST_SIMD_MAX of them. */
+#define TEST_SIMD_MAX 4
 static inline int test_simd_tables(const gefen_block_ops **ops, const char **names) {
   int n = 0;
+  if (gefen_block_ops_avx512bf16()) {
+    ops[n] = gefen_block_ops_avx512bf16();
+    names[n++] = "avx512bf16";
+  }
   if (gefen_block_ops_avx512vbmi()) {
     ops[n] = gefen_block_ops_avx512vbmi();
     names[n++] = "avx512vbmi";

@@ -445,8 +445,8 @@ static void test_equivalence(void) {
     gefen_error err;
     CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
     if (!q) continue;
-    const gefen_block_ops *ops[4];
-    const char *names[4];
+    const gefen_block_ops *ops[1 + TEST_SIMD_MAX];
+    const char *names[1 + TEST_SIMD_MAX];
     const int nops = op_tables(q, ops, names);
     const int64_t before = runs;
     for (int o = 0; o < nops; o++) {
@@ -663,8 +663,8 @@ static void test_stats_batches(void) {
     new_grad(&st[i], SPECIAL_NONE);
     for (int64_t r = 0; r < st[i].rows; r++) st[i].v_row[r] = (float)(test_rng() % 1000) * 1e-6f;
   }
-  const gefen_block_ops *ops[4];
-  const char *names[4];
+  const gefen_block_ops *ops[1 + TEST_SIMD_MAX];
+  const char *names[1 + TEST_SIMD_MAX];
   float c[256];
   make_codebook(CB_LEARNED, c);
   gefen_quantizer *q = NULL;

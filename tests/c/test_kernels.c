@@ -137,8 +137,8 @@ static void test_quantizer_on(const float *c, int expect_exact) {
 
   /* every SIMD requantisation gives the same codes and values as the portable
    * (the lookup-table ones only with an exact table) */
-  const gefen_block_ops *simd[3];
-  const char *names[3];
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
   const int ns = test_simd_tables(simd, names);
   for (int s = 0; s < ns; s++) {
     if (!expect_exact && simd[s] == gefen_block_ops_avx2()) continue; /* needs the table */
@@ -366,8 +366,8 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
 }
 
 static void test_simd_blocks(void) {
-  const gefen_block_ops *simd[3];
-  const char *names[3];
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
   if (n == 0) printf("  (no SIMD primitives on this CPU: comparison skipped)\n");
   float c[256];
@@ -486,8 +486,8 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
 }
 
 static void test_requantize_apply(void) {
-  const gefen_block_ops *simd[3];
-  const char *names[3];
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
   float c[5][256];
   learned_codebook(c[0], 3500);
