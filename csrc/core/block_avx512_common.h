@@ -1,4 +1,4 @@
-/* The AVX-512 helpers shared by block_avx512.c and block_avx512vbmi.c: 16-lane
+/* The AVX-512 helpers shared by the AVX-512 kernel files: 16-lane
  * loads and stores of float32/bfloat16/float16 buffers with the portable
  * rounding rules, masked tails, and the canonical float64 lanes of sums (see
  * block_ops.h). Only for x86-64 GCC/Clang builds; every function carries the

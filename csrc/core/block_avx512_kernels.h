@@ -1,8 +1,9 @@
 /* The AVX-512 momentum and requantisation primitives (see block_ops.h),
  * 64 elements at a time and without a memory gather: a template (no include
- * guard) included once by block_avx512.c and once by block_avx512vbmi.c,
- * which differ only in how they turn codes into codebook values (and in
- * their target). The including file defines TARGET, INLINE and:
+ * guard) included by block_avx512.c and by block_avx512vbmi_kernels.h (for
+ * block_avx512vbmi.c and block_avx512bf16.c), which differ in how they turn
+ * codes into codebook values, in their target and (CVT_BF16 below) in how
+ * they round to bfloat16. The including file defines TARGET, INLINE and:
  *
  *   decode_codes64(s, codes, km, out)       C[code] of the codes at codes[0..64)
  *                                           (the lanes of km) as 4 x 16 floats;

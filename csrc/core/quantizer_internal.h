@@ -21,7 +21,7 @@ typedef struct {
 #define GEFEN_SEARCH_ENTRIES ((int)(sizeof(gefen_search_levels) / sizeof(float)))
 
 /* The nearest-code rule as a count of thresholds, for searches without table
- * look-ups in memory (quantizer.c builds it, block_avx512vbmi.c uses it).
+ * look-ups in memory (quantizer.c builds it, the AVX-512 kernels use it).
  *
  * The code of the reference rule is a non-decreasing function of u, so it is
  * the number of c in 1..255 with u > threshold[c], where threshold[c] is the
