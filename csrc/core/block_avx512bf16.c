@@ -9,7 +9,10 @@
  * a vector holding one goes the integer way. */
 #include "block_ops.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* AVX512-BF16 intrinsics: GCC 10 and Clang 9 onwards; older compilers build
+ * the stub below and the VBMI table is chosen instead. */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #include "block_avx512_common.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16")))
@@ -29,7 +32,7 @@ const gefen_block_ops *gefen_block_ops_avx512bf16(void) {
   return cpu_has_avx512bf16() ? &ops_vbmi : NULL;
 }
 
-#else /* not x86-64 with GCC/Clang */
+#else /* not x86-64 with GCC >= 10 or Clang >= 9 */
 
 const gefen_block_ops *gefen_block_ops_avx512bf16(void) { return NULL; }
 
