@@ -56,7 +56,13 @@
 #endif
 
 #if CVT_BF16
-INLINE int any_subnormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x20) != 0; }
+/* Any lane with a zero exponent field (subnormal, or +-0, which either way
+ * rounds the same). A test of the bits: vfpclassps would miss subnormals when
+ * MXCSR.DAZ is set (measured on Zen 4), where arithmetic still makes them if
+ * FTZ is not. */
+INLINE int any_subnormal(__m512 v) {
+  return _mm512_testn_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7f800000)) != 0;
+}
 #endif
 
 /* gefen_store16, with the BF16 conversion where this file has it. */

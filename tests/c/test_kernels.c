@@ -16,6 +16,10 @@
 #include "block_ops.h"
 #include "gefen_core.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <xmmintrin.h> /* MXCSR (test_bf16_subnormals_under_daz) */
+#endif
+
 #include "check.h"
 
 static uint64_t rng(void) { return test_rng(); }
@@ -599,6 +603,66 @@ static void test_count_exhaustive(void) {
   }
 }
 
+/* bfloat16 outputs that are float32 subnormals while MXCSR has DAZ set and
+ * FTZ not: arithmetic still makes subnormals, and a subnormal test that obeys
+ * DAZ (vfpclassps does) would let the BF16 conversion flush them. Every SIMD
+ * version's requantisation into Adam sinks against the portable one, with
+ * parameters and learning rate near the subnormals (moments of ordinary size:
+ * thresholds scaled by a tiny max|m| would themselves be subnormal, which DAZ
+ * reads as 0 in one path and not the other -- a limit of the core under DAZ,
+ * see docs/performance.md). */
+static void test_bf16_subnormals_under_daz(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
+  const int n = test_simd_tables(simd, names);
+  float c[256];
+  learned_codebook(c, 3500);
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  if (!q) return;
+  enum { L = 1000 };
+  static float m0[L], m1[L], m2[L], scol[L];
+  static uint8_t c1[L], c2[L];
+  static uint16_t p0[L], o1[L], o2[L];
+  float mx = 0.0f;
+  for (int j = 0; j < L; j++) {
+    m0[j] = test_normal() * 0.01f;
+    scol[j] = test_uniform(0.5f, 2.0f);
+    const float p = test_normal() * 4e-38f; /* bfloat16 parameters near the subnormals */
+    memcpy(&p0[j], (const char *)&p + 2, 2);
+    mx = fabsf(m0[j]) > mx ? fabsf(m0[j]) : mx;
+  }
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr((csr | 0x0040u) & ~0x8000u); /* DAZ on, FTZ off */
+  int subnormal_outputs = 0;
+  const gefen_sink_kind kinds[2] = {GEFEN_SINK_ADAM_BLOCK, GEFEN_SINK_ADAM_FACTORED};
+  for (int s = 0; s < n; s++)
+    for (int ki = 0; ki < 2; ki++) {
+      const gefen_sink sk = {.kind = kinds[ki], .out_dtype = GEFEN_BF16, .dtype = GEFEN_BF16,
+                             .base = 0, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f, .eps = 1e-8f,
+                             .decay = 0.999f, .lr = 1e-36f};
+      gefen_sink s1 = sk, s2 = sk;
+      memcpy(o1, p0, sizeof p0);
+      memcpy(o2, p0, sizeof p0);
+      memcpy(m1, m0, sizeof m0);
+      memcpy(m2, m0, sizeof m0);
+      s1.out = o1;
+      s2.out = o2;
+      gefen_block_ops_scalar.requantize_apply(q, m1, mx, L, c1, &s1);
+      simd[s]->requantize_apply(q, m2, mx, L, c2, &s2);
+      for (int j = 0; j < L; j++) subnormal_outputs += (o1[j] & 0x7f80u) == 0 && (o1[j] & 0x7fu) != 0;
+      CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(c1, c2, sizeof c1) == 0,
+            "%s: bfloat16 outputs under DAZ differ (sink %d)", names[s], kinds[ki]);
+    }
+  _mm_setcsr(csr);
+  CHECK(n == 0 || subnormal_outputs > 0, "the DAZ test made no subnormal bfloat16 outputs");
+  if (n) printf("  under DAZ: %d subnormal bfloat16 outputs compared\n", subnormal_outputs);
+  gefen_quantizer_destroy(q);
+#endif
+}
+
 /* ------------------------------------------------------------ conversions */
 
 static void test_conversions(void) {
@@ -722,6 +786,7 @@ int main(void) {
   test_scaled_rule();
   test_requantize_apply();
   test_count_exhaustive();
+  test_bf16_subnormals_under_daz();
   printf("test_kernels: dtype conversions\n");
   test_conversions();
   printf("test_kernels: validation\n");
