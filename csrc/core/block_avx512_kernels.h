@@ -475,7 +475,10 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   int mode = BY_DIVISION;
   if (!(mx > 0.0f)) {
     mode = BY_ZERO;
-  } else if (len >= SCALED_MIN_LEN && mx <= FLT_MAX) {
+  } else if (len >= SCALED_MIN_LEN && mx <= FLT_MAX && !(_mm_getcsr() & 0x8040u)) {
+    /* not with MXCSR's FTZ or DAZ set: scaled thresholds can be subnormal, which
+     * FTZ flushes when they are formed and DAZ reads as 0 in the compares, where
+     * the portable code divides first (test_kernels.c, under_daz) */
     mode = BY_SCALED_LEVELS;
     scale_levels(s, mx, &scaled);
     levels = &scaled;

@@ -603,14 +603,14 @@ static void test_count_exhaustive(void) {
   }
 }
 
-/* bfloat16 outputs that are float32 subnormals while MXCSR has DAZ set and
- * FTZ not: arithmetic still makes subnormals, and a subnormal test that obeys
- * DAZ (vfpclassps does) would let the BF16 conversion flush them. Every SIMD
- * version's requantisation into Adam sinks against the portable one, with
- * parameters and learning rate near the subnormals (moments of ordinary size:
- * thresholds scaled by a tiny max|m| would themselves be subnormal, which DAZ
- * reads as 0 in one path and not the other -- a limit of the core under DAZ,
- * see docs/performance.md). */
+/* The requantisation into Adam sinks under MXCSR's flush-to-zero and
+ * denormals-are-zero modes (DAZ alone, FTZ alone, both: torch's
+ * set_flush_denormal sets both), every SIMD version against the portable one,
+ * with moments of ordinary size and tiny ones (max|m| about 1e-37, where
+ * thresholds scaled by it would be subnormal: the division-free search must not
+ * run), and parameters and learning rate near the subnormals. With DAZ and not
+ * FTZ, arithmetic still makes subnormals while vfpclassps reports none: the
+ * BF16 conversion must still send them the integer way. */
 static void test_bf16_subnormals_under_daz(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   const gefen_block_ops *simd[TEST_SIMD_MAX];
@@ -626,39 +626,49 @@ static void test_bf16_subnormals_under_daz(void) {
   static float m0[L], m1[L], m2[L], scol[L];
   static uint8_t c1[L], c2[L];
   static uint16_t p0[L], o1[L], o2[L];
-  float mx = 0.0f;
-  for (int j = 0; j < L; j++) {
-    m0[j] = test_normal() * 0.01f;
-    scol[j] = test_uniform(0.5f, 2.0f);
-    const float p = test_normal() * 4e-38f; /* bfloat16 parameters near the subnormals */
-    memcpy(&p0[j], (const char *)&p + 2, 2);
-    mx = fabsf(m0[j]) > mx ? fabsf(m0[j]) : mx;
-  }
   const unsigned csr = _mm_getcsr();
-  _mm_setcsr((csr | 0x0040u) & ~0x8000u); /* DAZ on, FTZ off */
+  static const unsigned modes[3] = {0x0040u, 0x8000u, 0x8040u}; /* DAZ, FTZ, both */
   int subnormal_outputs = 0;
-  const gefen_sink_kind kinds[2] = {GEFEN_SINK_ADAM_BLOCK, GEFEN_SINK_ADAM_FACTORED};
-  for (int s = 0; s < n; s++)
-    for (int ki = 0; ki < 2; ki++) {
-      const gefen_sink sk = {.kind = kinds[ki], .out_dtype = GEFEN_BF16, .dtype = GEFEN_BF16,
-                             .base = 0, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f, .eps = 1e-8f,
-                             .decay = 0.999f, .lr = 1e-36f};
-      gefen_sink s1 = sk, s2 = sk;
-      memcpy(o1, p0, sizeof p0);
-      memcpy(o2, p0, sizeof p0);
-      memcpy(m1, m0, sizeof m0);
-      memcpy(m2, m0, sizeof m0);
-      s1.out = o1;
-      s2.out = o2;
-      gefen_block_ops_scalar.requantize_apply(q, m1, mx, L, c1, &s1);
-      simd[s]->requantize_apply(q, m2, mx, L, c2, &s2);
-      for (int j = 0; j < L; j++) subnormal_outputs += (o1[j] & 0x7f80u) == 0 && (o1[j] & 0x7fu) != 0;
-      CHECK(memcmp(o1, o2, sizeof o1) == 0 && memcmp(c1, c2, sizeof c1) == 0,
-            "%s: bfloat16 outputs under DAZ differ (sink %d)", names[s], kinds[ki]);
+  for (int tiny = 0; tiny < 2; tiny++) {
+    float mx = 0.0f;
+    for (int j = 0; j < L; j++) {
+      m0[j] = test_normal() * (tiny ? 1e-37f : 0.01f);
+      scol[j] = test_uniform(0.5f, 2.0f);
+      const float p = test_normal() * 4e-38f; /* bfloat16 parameters near the subnormals */
+      memcpy(&p0[j], (const char *)&p + 2, 2);
+      mx = fabsf(m0[j]) > mx ? fabsf(m0[j]) : mx;
     }
+    for (int mode = 0; mode < 3; mode++) {
+      _mm_setcsr((csr & ~0x8040u) | modes[mode]);
+      const gefen_sink_kind kinds[2] = {GEFEN_SINK_ADAM_BLOCK, GEFEN_SINK_ADAM_FACTORED};
+      for (int s = 0; s < n; s++)
+        for (int ki = 0; ki < 2; ki++) {
+          const gefen_sink sk = {.kind = kinds[ki], .out_dtype = GEFEN_BF16, .dtype = GEFEN_BF16,
+                                 .base = 0, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f,
+                                 .eps = 1e-8f, .decay = 0.999f, .lr = 1e-36f};
+          gefen_sink s1 = sk, s2 = sk;
+          memcpy(o1, p0, sizeof p0);
+          memcpy(o2, p0, sizeof p0);
+          memcpy(m1, m0, sizeof m0);
+          memcpy(m2, m0, sizeof m0);
+          s1.out = o1;
+          s2.out = o2;
+          gefen_block_ops_scalar.requantize_apply(q, m1, mx, L, c1, &s1);
+          simd[s]->requantize_apply(q, m2, mx, L, c2, &s2);
+          for (int j = 0; j < L; j++)
+            subnormal_outputs += mode == 0 && (o1[j] & 0x7f80u) == 0 && (o1[j] & 0x7fu) != 0;
+          CHECK(memcmp(c1, c2, sizeof c1) == 0,
+                "%s: codes differ under MXCSR %#x (sink %d, tiny moments %d)", names[s],
+                modes[mode], kinds[ki], tiny);
+          CHECK(memcmp(o1, o2, sizeof o1) == 0,
+                "%s: bfloat16 outputs differ under MXCSR %#x (sink %d, tiny moments %d)",
+                names[s], modes[mode], kinds[ki], tiny);
+        }
+    }
+  }
   _mm_setcsr(csr);
   CHECK(n == 0 || subnormal_outputs > 0, "the DAZ test made no subnormal bfloat16 outputs");
-  if (n) printf("  under DAZ: %d subnormal bfloat16 outputs compared\n", subnormal_outputs);
+  if (n) printf("  under FTZ/DAZ: %d subnormal bfloat16 outputs compared\n", subnormal_outputs);
   gefen_quantizer_destroy(q);
 #endif
 }
