@@ -60,7 +60,7 @@
  * rounds the same). A test of the bits: vfpclassps would miss subnormals when
  * MXCSR.DAZ is set (measured on Zen 4), where arithmetic still makes them if
  * FTZ is not. */
-INLINE int any_subnormal(__m512 v) {
+INLINE int any_zero_exponent(__m512 v) {
   return _mm512_testn_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32(0x7f800000)) != 0;
 }
 #endif
@@ -68,7 +68,7 @@ INLINE int any_subnormal(__m512 v) {
 /* gefen_store16, with the BF16 conversion where this file has it. */
 INLINE void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
 #if CVT_BF16
-  if (dt == GEFEN_BF16 && !any_subnormal(v)) {
+  if (dt == GEFEN_BF16 && !any_zero_exponent(v)) {
     _mm256_mask_storeu_epi16((uint16_t *)p + i, k, (__m256i)_mm512_cvtneps_pbh(v));
     return;
   }
@@ -119,7 +119,7 @@ INLINE void load64_bf16_packed(const void *p, int64_t i, __m512 out[4]) {
 INLINE void store64_bf16_packed(void *p, int64_t i, const __m512 v[4]) {
   for (int h = 0; h < 2; h++) {
 #if CVT_BF16
-    if (!any_subnormal(v[2 * h]) && !any_subnormal(v[2 * h + 1])) {
+    if (!any_zero_exponent(v[2 * h]) && !any_zero_exponent(v[2 * h + 1])) {
       /* 16 even then 16 odd values, interleaved by one word permute */
       static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
                                          21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,

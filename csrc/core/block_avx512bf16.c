@@ -21,15 +21,10 @@
 
 #include "block_avx512vbmi_kernels.h"
 
-static int cpu_has_avx512bf16(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
-}
-
+/* The VBMI table's CPU (gefen_block_ops_avx512vbmi initialises the CPU model)
+ * with BF16. */
 const gefen_block_ops *gefen_block_ops_avx512bf16(void) {
-  return cpu_has_avx512bf16() ? &ops_vbmi : NULL;
+  return gefen_block_ops_avx512vbmi() && __builtin_cpu_supports("avx512bf16") ? &ops_vbmi : NULL;
 }
 
 #else /* not x86-64 with GCC >= 10 or Clang >= 9 */

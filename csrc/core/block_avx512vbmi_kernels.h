@@ -56,11 +56,16 @@ INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __
 /* The four count vectors (each lane 0..255, bits reversed) as 64 code bytes
  * in the transposed order of decode64: the unsigned-saturating packs
  * interleave 4-lane groups, which is exactly that order. */
-INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
-                             uint8_t *codes, __mmask64 km) {
+INLINE __m512i codes_t_of(const gefen_quant_search *s, const __m512i bits[4]) {
   const __m512i w01 = _mm512_packus_epi32(bits[0], bits[1]);
   const __m512i w23 = _mm512_packus_epi32(bits[2], bits[3]);
-  const __m512i codes_t = lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
+  return lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
+}
+
+/* The codes of bits[4] stored in element order; returns them transposed. */
+INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
+                             uint8_t *codes, __mmask64 km) {
+  const __m512i codes_t = codes_t_of(s, bits);
   _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
   return codes_t;
 }
@@ -98,9 +103,7 @@ INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i
                                    32, 36, 33, 37, 34, 38, 35, 39, 48, 52, 49, 53, 50, 54, 51, 55,
                                    8,  12, 9,  13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31,
                                    40, 44, 41, 45, 42, 46, 43, 47, 56, 60, 57, 61, 58, 62, 59, 63};
-  const __m512i w01 = _mm512_packus_epi32(bits[0], bits[1]);
-  const __m512i w23 = _mm512_packus_epi32(bits[2], bits[3]);
-  const __m512i codes_t = lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
+  const __m512i codes_t = codes_t_of(s, bits);
   _mm512_storeu_si512(codes, _mm512_permutexvar_epi8(_mm512_loadu_si512(back), codes_t));
   decode64(s, codes_t, out);
 }
