@@ -21,6 +21,10 @@
  * table. Short blocks divide u = m / mx like the portable code; long blocks
  * search m itself against the thresholds scaled by mx, which gives the same
  * count (gefen_quant_search explains why) without a division per element.
+ * Where the including file has byte look-ups (KEY_SEARCH), blocks of at
+ * least KEY_MIN_LEN with a codebook whose thresholds are not too close search
+ * 16-bit keys of m instead, 32 lanes per vector, and settle the one threshold
+ * the keys cannot decide by an exact comparison (key_codes_t): the same count.
  *
  * Everything else (the fp32 operations, their order, the float64 lanes of the
  * sums, the dtype conversions of block_avx512_common.h) is that of the
@@ -334,16 +338,16 @@ INLINE __m512 float_below(__m512 x) {
 /* The thresholds of s in m-space for the magnitude mx (finite, > 0): u > t
  * exactly when m > RD(b * mx), or m > float_below(RU(b * mx)) when a tie at
  * b rounds up (gefen_quant_search). */
-INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_levels *out) {
+INLINE void scale_bounds(const double *bound, const uint16_t *tie_up, int groups, float mx,
+                         float *o) {
   const __m512d vmx = _mm512_set1_pd((double)mx);
-  float *o = (float *)out;
-  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
-    const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g), vmx); /* exact */
-    const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g + 8), vmx);
+  for (int g = 0; g < groups; g++) {
+    const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(bound + 16 * g), vmx); /* exact */
+    const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(bound + 16 * g + 8), vmx);
     __m512 t = _mm512_insertf32x8(
         _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
         _mm512_cvt_roundpd_ps(hi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), 1);
-    const __mmask16 tie = s->tie_up[g];
+    const __mmask16 tie = tie_up[g];
     if (tie) {
       const __m512 up = _mm512_insertf32x8(
           _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)),
@@ -353,6 +357,140 @@ INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_lev
     _mm512_storeu_ps(o + 16 * g, t);
   }
 }
+
+INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_levels *out) {
+  scale_bounds(s->bound, s->tie_up, GEFEN_SEARCH_ENTRIES / 16, mx, (float *)out);
+}
+
+#ifndef KEY_SEARCH
+#define KEY_SEARCH 0
+#endif
+#if KEY_SEARCH
+/* The search over 16-bit keys (a file with byte look-ups defines KEY_SEARCH
+ * as 1): 32 lanes per vector instead of 16, then one exact comparison.
+ *
+ * key(x) = (int16) RN(min(x * r, 32767)) with r = 16384 / mx is a
+ * non-decreasing function of x (NaN: 32767), so for the scaled thresholds T
+ * of a block and their keys K = key(T), K < key(m) implies m > T, and K >
+ * key(m) implies m <= T. With the keys strictly increasing, the count c of
+ * keys below key(m) is the exact count or one less, and the exact count is
+ * c + (m above T[c + 1]): one look-up of that threshold through its four
+ * byte planes and one comparison. The keys of a block are strictly
+ * increasing when the thresholds are at least 2^-12 apart (key_ok: their
+ * keys are then about 4 or more apart, the rounding errors of T and of the
+ * key about 0.004) and mx >= 2^-96 (T is then exact to far below a key
+ * unit). NaN has key 32767, above every key (all are within +-16385), so c is
+ * 255, and the comparison (true for NaN) saturates at 255: NaN's code. */
+typedef struct {
+  /* the keys of the scaled levels in 16-bit lanes, level L (1..6) at
+   * level[32 (L - 1)] (only the first 2^(L - 1) used), level 7 at 192 and
+   * level 8 at 256 */
+  int16_t level[384];
+  /* byte b of T[i + 1] at plane[b][j], j the bits of i reversed */
+  uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+  float r;
+} key_tables;
+
+/* Blocks at least this long search with 16-bit keys (the tables cost about
+ * 400 operations a block). */
+#define KEY_MIN_LEN 1024
+
+INLINE __m512i key16(__m512 x, __m512 vr) {
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), _mm512_set1_ps(32767.0f)));
+}
+
+/* The key tables of a block from its scaled levels (scale_levels) and mx. */
+INLINE void key_setup(const gefen_quant_search *s, const gefen_search_levels *scaled, float mx,
+                      key_tables *kt) {
+  kt->r = 16384.0f / mx;
+  const __m512 vr = _mm512_set1_ps(kt->r);
+  const float *e = (const float *)scaled;
+  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
+    const __m256i k = _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(e + 16 * g), vr));
+    if (g < 5) /* levels 1-5: one group each, in 32 lanes */
+      _mm512_storeu_si512(kt->level + 32 * g, _mm512_zextsi256_si512(k));
+    else
+      _mm256_storeu_si256((__m256i *)(kt->level + 160 + 16 * (g - 5)), k);
+  }
+  /* the thresholds in their own order as four byte planes, 64 at a time:
+   * each vector's bytes grouped by plane (one byte permute), then a 4 x 4
+   * transpose of 128-bit lanes */
+  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
+  scale_bounds(s->bound_rev, s->tie_up_rev, GEFEN_CODEBOOK_SIZE / 16, mx, t);
+  static const uint8_t by_plane[64] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
+                                       52, 56, 60, 1,  5,  9,  13, 17, 21, 25, 29, 33, 37,
+                                       41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26,
+                                       30, 34, 38, 42, 46, 50, 54, 58, 62, 3,  7,  11, 15,
+                                       19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+  const __m512i idx = _mm512_loadu_si512(by_plane);
+  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 64; g++) {
+    __m512i x[4];
+    for (int v = 0; v < 4; v++)
+      x[v] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(t + 64 * g + 16 * v));
+    const __m512i t0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44), t1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44), t3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
+    _mm512_storeu_si512(kt->plane[0] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0x88));
+    _mm512_storeu_si512(kt->plane[1] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+    _mm512_storeu_si512(kt->plane[2] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0x88));
+    _mm512_storeu_si512(kt->plane[3] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+  }
+}
+
+/* The counts of keys below each of n x 32 keys q[] (bits reversed, as
+ * search64), level by level over the n vectors so that their chains overlap. */
+INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j) {
+  const int16_t *w = kt->level;
+  __mmask32 k7[4];
+  for (int v = 0; v < n; v++)
+    j[v] = _mm512_maskz_mov_epi16(_mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[0])),
+                                  _mm512_set1_epi16(1));
+  for (int level = 2; level <= 6; level++) {
+    const __m512i t = _mm512_loadu_si512(w + 32 * (level - 1));
+    for (int v = 0; v < n; v++)
+      j[v] = _mm512_mask_add_epi16(j[v], _mm512_cmpgt_epi16_mask(q[v], _mm512_permutexvar_epi16(j[v], t)),
+                                   j[v], _mm512_set1_epi16((short)(1 << (level - 1))));
+  }
+  for (int v = 0; v < n; v++) {
+    k7[v] = _mm512_cmpgt_epi16_mask(
+        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 192), j[v], _mm512_loadu_si512(w + 224)));
+    j[v] = _mm512_mask_add_epi16(j[v], k7[v], j[v], _mm512_set1_epi16(64));
+  }
+  for (int v = 0; v < n; v++) {
+    const __m512i lo =
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 256), j[v], _mm512_loadu_si512(w + 288));
+    const __m512i hi =
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 320), j[v], _mm512_loadu_si512(w + 352));
+    const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], _mm512_mask_blend_epi16(k7[v], lo, hi));
+    j[v] = _mm512_mask_add_epi16(j[v], k, j[v], _mm512_set1_epi16(128));
+  }
+}
+
+/* The codes of g groups (1 or 2) of 4 x 16 values m (element order) in the
+ * transposed order of decode64. */
+INLINE void key_codes_t(const gefen_quant_search *s, const key_tables *kt, const int g,
+                        const __m512 *m, __m512i *codes_t) {
+  const __m512 vr = _mm512_set1_ps(kt->r);
+  __m512i q[4], j[4];
+  /* the packs interleave 4-lane groups exactly as codes_t_of does */
+  for (int v = 0; v < 2 * g; v++)
+    q[v] = _mm512_packs_epi32(key16(m[2 * v], vr), key16(m[2 * v + 1], vr));
+  key_search(kt, 2 * g, q, j);
+  for (int h = 0; h < g; h++) {
+    /* the count's code and the threshold above it, both by its reversed bits */
+    const __m512i bits_t = _mm512_packus_epi16(j[2 * h], j[2 * h + 1]);
+    const __m512i c_t = lookup_bytes(s->code_of, bits_t);
+    __m512 t[4];
+    lookup_planes64((const uint8_t(*)[GEFEN_CODEBOOK_SIZE])kt->plane, bits_t, t);
+    /* the comparisons as 0/1 in the transposed order, by the packs of codes_t_of */
+    __m512i up[4];
+    for (int v = 0; v < 4; v++)
+      up[v] = _mm512_maskz_mov_epi32(ABOVE(m[4 * h + v], t[v]), _mm512_set1_epi32(1));
+    const __m512i up_t = _mm512_packus_epi16(_mm512_packus_epi32(up[0], up[1]),
+                                             _mm512_packus_epi32(up[2], up[3]));
+    codes_t[h] = _mm512_adds_epu8(c_t, up_t);
+  }
+}
+#endif
 
 /* One vector of dequantised values mq at element i of the block to the sink
  * (kind, dt and out_dt are constants after inlining). */
@@ -420,10 +558,71 @@ INLINE void sink64_packed(const gefen_sink *sk, const gefen_sink_kind kind, int6
 /* 64 elements (or the first ones of km) of the requantisation pass at j
  * (km all ones, a constant, for whole groups: see momentum64). */
 /* mode: how the search gets u = m / mx (see requantize_t). */
-enum { BY_ZERO, BY_DIVISION, BY_SCALED_LEVELS };
+enum { BY_ZERO, BY_DIVISION, BY_SCALED_LEVELS, BY_KEYS };
+
+#if !KEY_SEARCH
+typedef void key_tables;
+#endif
+
+/* The dequantised values c of a group at j (times vmx) to the sink: a whole
+ * group of a bfloat16 Adam sink in the packed order when packed. */
+INLINE void sink_values64(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
+                          const gefen_dtype out_dt, float *m, __m512 vmx, int64_t j,
+                          __mmask64 km, const int packed, __m512 c[4]) {
+#if PACKED_BF16
+  if (packed) {
+    for (int v = 0; v < 4; v++) c[v] = _mm512_mul_ps(c[v], vmx);
+    sink64_packed(sk, kind, j, c);
+    return;
+  }
+#else
+  (void)packed;
+#endif
+  for (int v = 0; v < 4; v++) {
+    const __mmask16 k = part_mask(km, v);
+    if (k) sink16(sk, kind, dt, out_dt, m, j + 16 * v, _mm512_mul_ps(c[v], vmx), k);
+  }
+}
+
+#if KEY_SEARCH
+/* 64 codes (transposed order) at j stored, and their values to the sink. */
+INLINE void emit64(const gefen_quant_search *s, __m512i codes_t, float *m, __m512 vmx,
+                   uint8_t *codes, const gefen_sink *sk, const gefen_sink_kind kind,
+                   const gefen_dtype dt, const gefen_dtype out_dt, int64_t j, __mmask64 km,
+                   const int packed) {
+  __m512 c[4];
+  if (kind == GEFEN_SINK_CODES) {
+    store_t(codes_t, codes + j, km);
+    return;
+  }
+  if (PACKED_BF16 && packed) {
+    store_and_decode64_packed_t(s, codes_t, codes + j, c);
+  } else {
+    store_t(codes_t, codes + j, km);
+    decode64(s, codes_t, c);
+  }
+  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, c);
+}
+
+/* Two whole groups at j and j + 64 by the key search, their chains overlapping. */
+INLINE void requantize128_keys(const gefen_quant_search *s, const key_tables *kt, float *m,
+                               __m512 vmx, int64_t len, uint8_t *codes, const gefen_sink *sk,
+                               const gefen_sink_kind kind, const gefen_dtype dt,
+                               const gefen_dtype out_dt, int64_t j, const int packed) {
+  if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
+    gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 128);
+  __m512 u[8];
+  __m512i codes_t[2];
+  for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
+  key_codes_t(s, kt, 2, u, codes_t);
+  for (int h = 0; h < 2; h++)
+    emit64(s, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0, packed);
+}
+#endif
 
 INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels *levels,
-                         float *m, __m512 vmx, const int mode, int64_t len, uint8_t *codes,
+                         const key_tables *kt, float *m, __m512 vmx, const int mode,
+                         int64_t len, uint8_t *codes,
                          const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
                          const gefen_dtype out_dt, int64_t j, __mmask64 km, const int packed) {
   if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
@@ -432,31 +631,33 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
   __m512i bits[4];
   for (int v = 0; v < 4; v++) {
     const __m512 x = _mm512_maskz_loadu_ps(part_mask(km, v), m + j + 16 * v);
-    u[v] = mode == BY_SCALED_LEVELS ? x
-           : mode == BY_DIVISION    ? _mm512_div_ps(x, vmx)
-                                    : _mm512_setzero_ps();
+    u[v] = mode == BY_SCALED_LEVELS || mode == BY_KEYS ? x
+           : mode == BY_DIVISION                         ? _mm512_div_ps(x, vmx)
+                                                         : _mm512_setzero_ps();
   }
+  __m512 c[4];
+#if KEY_SEARCH
+  if (mode == BY_KEYS) {
+    __m512i codes_t;
+    key_codes_t(s, kt, 1, u, &codes_t);
+    emit64(s, codes_t, m, vmx, codes, sk, kind, dt, out_dt, j, km, packed);
+    return;
+  }
+#else
+  (void)kt;
+#endif
   search64(levels, u, bits);
   if (kind == GEFEN_SINK_CODES) { /* the codes alone: no decoding */
     store_codes64(s, bits, codes + j, km);
     return;
   }
-  __m512 c[4];
 #if PACKED_BF16
-  if (packed) { /* a whole group of a bfloat16 Adam sink: m and u in the packed order */
+  if (packed) /* a whole group of a bfloat16 Adam sink: m and u in the packed order */
     store_and_decode64_packed(s, bits, codes + j, c);
-    for (int v = 0; v < 4; v++) c[v] = _mm512_mul_ps(c[v], vmx);
-    sink64_packed(sk, kind, j, c);
-    return;
-  }
-#else
-  (void)packed;
+  else
 #endif
-  store_and_decode64(s, bits, codes + j, km, c);
-  for (int v = 0; v < 4; v++) {
-    const __mmask16 k = part_mask(km, v);
-    if (k) sink16(sk, kind, dt, out_dt, m, j + 16 * v, _mm512_mul_ps(c[v], vmx), k);
-  }
+    store_and_decode64(s, bits, codes + j, km, c);
+  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, c);
 }
 
 INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
@@ -483,16 +684,40 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     scale_levels(s, mx, &scaled);
     levels = &scaled;
   }
+#if KEY_SEARCH
+  _Alignas(64) key_tables keys;
+  if (mode == BY_SCALED_LEVELS && len >= KEY_MIN_LEN && s->key_ok && mx >= 0x1p-96f) {
+    mode = BY_KEYS;
+    key_setup(s, &scaled, mx, &keys);
+  }
+  const key_tables *kt = &keys;
+#else
+  const key_tables *kt = NULL;
+#endif
+#if KEY_SEARCH
+#define KEY_PAIRS(MODE)                                                                    \
+  if (MODE == BY_KEYS)                                                                     \
+    for (; j + 128 <= len; j += 128)                                                       \
+    requantize128_keys(s, kt, m, vmx, len, codes, sk, kind, dt, out_dt, j, packed)
+#else
+#define KEY_PAIRS(MODE) (void)0
+#endif
 #define PASS(MODE)                                                                          \
   do {                                                                                      \
     int64_t j = 0;                                                                          \
+    KEY_PAIRS(MODE);                                                                        \
     for (; j + 64 <= len; j += 64)                                                          \
-      requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
+      requantize64(s, levels, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
                    ~(__mmask64)0, packed);                                                  \
     if (j < len) /* the tail in element order, as momentum_t leaves it */                    \
-      requantize64(s, levels, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,           \
+      requantize64(s, levels, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
                    tail_mask64(len - j), 0);                                                \
   } while (0)
+#if KEY_SEARCH
+  if (mode == BY_KEYS)
+    PASS(BY_KEYS);
+  else
+#endif
   if (mode == BY_SCALED_LEVELS)
     PASS(BY_SCALED_LEVELS);
   else if (mode == BY_DIVISION)
@@ -500,6 +725,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   else
     PASS(BY_ZERO);
 #undef PASS
+#undef KEY_PAIRS
 }
 
 TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,

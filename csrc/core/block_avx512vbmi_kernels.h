@@ -35,17 +35,25 @@ INLINE __m512i lookup_bytes(const uint8_t *table, __m512i idx) {
   return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
 }
 
-/* C[code] of 64 codes given in transposed order, as four vectors of 16 floats
- * in element order. */
-INLINE void decode64(const gefen_quant_search *s, __m512i codes_t, __m512 out[4]) {
-  const __m512i b0 = lookup_bytes(s->plane[0], codes_t), b1 = lookup_bytes(s->plane[1], codes_t);
-  const __m512i b2 = lookup_bytes(s->plane[2], codes_t), b3 = lookup_bytes(s->plane[3], codes_t);
+/* A 256-entry float table given as four byte planes (byte b of entry i at
+ * plane[b][i]) at 64 indices in transposed order, as four vectors of 16
+ * floats in element order. */
+INLINE void lookup_planes64(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE], __m512i idx_t,
+                            __m512 out[4]) {
+  const __m512i b0 = lookup_bytes(plane[0], idx_t), b1 = lookup_bytes(plane[1], idx_t);
+  const __m512i b2 = lookup_bytes(plane[2], idx_t), b3 = lookup_bytes(plane[3], idx_t);
   const __m512i lo01 = _mm512_unpacklo_epi8(b0, b1), hi01 = _mm512_unpackhi_epi8(b0, b1);
   const __m512i lo23 = _mm512_unpacklo_epi8(b2, b3), hi23 = _mm512_unpackhi_epi8(b2, b3);
   out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
   out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
   out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
   out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
+/* C[code] of 64 codes given in transposed order, as four vectors of 16 floats
+ * in element order. */
+INLINE void decode64(const gefen_quant_search *s, __m512i codes_t, __m512 out[4]) {
+  lookup_planes64(s->plane, codes_t, out);
 }
 
 INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __mmask64 km,
@@ -68,6 +76,11 @@ INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
   const __m512i codes_t = codes_t_of(s, bits);
   _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
   return codes_t;
+}
+
+/* 64 codes given in transposed order stored in element order. */
+INLINE void store_t(__m512i codes_t, uint8_t *codes, __mmask64 km) {
+  _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
 }
 
 INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
@@ -97,16 +110,26 @@ INLINE void decode_codes64_packed(const gefen_quant_search *s, const uint8_t *co
   decode64(s, _mm512_permutexvar_epi8(_mm512_loadu_si512(in), _mm512_loadu_si512(codes)), out);
 }
 
-INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i bits[4],
-                                      uint8_t *codes, __m512 out[4]) {
+/* 64 codes given in transposed order stored for a packed group (element
+ * order), and their values in the packed order. */
+INLINE void store_and_decode64_packed_t(const gefen_quant_search *s, __m512i codes_t,
+                                        uint8_t *codes, __m512 out[4]) {
   static const uint8_t back[64] = {0,  4,  1,  5,  2,  6,  3,  7,  16, 20, 17, 21, 18, 22, 19, 23,
                                    32, 36, 33, 37, 34, 38, 35, 39, 48, 52, 49, 53, 50, 54, 51, 55,
                                    8,  12, 9,  13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31,
                                    40, 44, 41, 45, 42, 46, 43, 47, 56, 60, 57, 61, 58, 62, 59, 63};
-  const __m512i codes_t = codes_t_of(s, bits);
   _mm512_storeu_si512(codes, _mm512_permutexvar_epi8(_mm512_loadu_si512(back), codes_t));
   decode64(s, codes_t, out);
 }
+
+INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i bits[4],
+                                      uint8_t *codes, __m512 out[4]) {
+  store_and_decode64_packed_t(s, codes_t_of(s, bits), codes, out);
+}
+
+/* The search over 16-bit keys (block_avx512_kernels.h, KEY_SEARCH): it needs
+ * the byte look-ups above. */
+#define KEY_SEARCH 1
 
 #include "block_avx512_kernels.h"
 

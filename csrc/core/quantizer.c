@@ -92,6 +92,16 @@ static int bit_reverse8(int x) {
   return r;
 }
 
+/* The midpoint b of t and the next float above it (exact: 25 significant
+ * bits), setting bit `bit` of *tie_up when a tie at b rounds up. */
+static double bound_above(float t, uint16_t *tie_up, int bit) {
+  const float up = nextafterf(t, INFINITY);
+  uint32_t up_bits;
+  memcpy(&up_bits, &up, sizeof up_bits);
+  if ((up_bits & 1u) == 0) *tie_up |= (uint16_t)(1u << bit);
+  return 0.5 * ((double)t + (double)up);
+}
+
 /* The thresholds of gefen_quant_search by bisection over the floats of
  * [-1, 1] (the code is non-decreasing in u and the code of -1 is 0), then
  * the binary search's levels and the codebook's byte planes. */
@@ -134,12 +144,21 @@ static void build_search(gefen_quant_search *s, const float *c) {
   /* the midpoints above the thresholds, for the search without division */
   const float *entry = (const float *)&s->levels;
   memset(s->tie_up, 0, sizeof s->tie_up);
-  for (int i = 0; i < GEFEN_SEARCH_ENTRIES; i++) {
-    const float t = entry[i], up = nextafterf(t, INFINITY);
-    s->bound[i] = 0.5 * ((double)t + (double)up); /* exact: 25 significant bits */
-    uint32_t up_bits;
-    memcpy(&up_bits, &up, sizeof up_bits);
-    if ((up_bits & 1u) == 0) s->tie_up[i / 16] |= (uint16_t)(1u << (i % 16));
+  for (int i = 0; i < GEFEN_SEARCH_ENTRIES; i++)
+    s->bound[i] = bound_above(entry[i], &s->tie_up[i / 16], i % 16);
+  /* the same bounds in the thresholds' own order, and whether they are far
+   * enough apart for 16-bit keys (see gefen_quant_search) */
+  memset(s->tie_up_rev, 0, sizeof s->tie_up_rev);
+  s->key_ok = 1;
+  for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
+    const int i = bit_reverse8(j);
+    if (i == GEFEN_CODEBOOK_SIZE - 1) {
+      s->bound_rev[j] = 2.0; /* no threshold above the last */
+      continue;
+    }
+    const float t = s->threshold[i + 1];
+    s->bound_rev[j] = bound_above(t, &s->tie_up_rev[j / 16], j % 16);
+    if (i > 0 && !((double)t - (double)s->threshold[i] >= 0x1p-12)) s->key_ok = 0;
   }
   for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
     s->code_of[j] = (uint8_t)bit_reverse8(j);

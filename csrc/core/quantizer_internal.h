@@ -53,6 +53,15 @@ typedef struct {
   /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
    * 256-byte tables, for decoding 64 codes with byte permutes */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+  /* For the search over 16-bit keys (block_avx512_kernels.h, KEY_SEARCH):
+   * the b of threshold[i + 1] at bound_rev[j], j the bits of i reversed
+   * (bound_rev[255] = 2, above every m: no threshold above code 255), their
+   * tie bits (tie_up_rev), and key_ok: every two consecutive thresholds at
+   * least 2^-12 apart, so that the keys of any block's scaled thresholds come
+   * out strictly increasing. */
+  double bound_rev[GEFEN_CODEBOOK_SIZE];
+  uint16_t tie_up_rev[GEFEN_CODEBOOK_SIZE / 16];
+  int key_ok;
 } gefen_quant_search;
 
 struct gefen_quantizer {

@@ -401,13 +401,17 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
                                     GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
   const float *bound_src = (const float *)&q->search.levels;
   for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
-    for (int variant = 0; variant < 5; variant++) {
+    for (int variant = 0; variant < 6; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
-       * neighbours, with mx a power of two so that b * mx can be exact */
+       * neighbours, with mx a power of two so that b * mx can be exact, 5:
+       * tiny values (max |m| about 2^-118, where 16384 / max |m| overflows) */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
-        m0[j] = variant == 2 ? 0.0f : variant == 3 ? NAN : test_normal() * 0.01f;
+        m0[j] = variant == 2   ? 0.0f
+                : variant == 3 ? NAN
+                : variant == 5 ? test_normal() * 0x1p-120f
+                               : test_normal() * 0.01f;
         scol[j] = test_uniform(0.001f, 0.1f);
         g32[j] = test_normal();
         memcpy(&g16[j], (const char *)&g32[j] + 2, 2);
@@ -493,7 +497,7 @@ static void test_requantize_apply(void) {
   const gefen_block_ops *simd[TEST_SIMD_MAX];
   const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
-  float c[5][256];
+  float c[6][256];
   learned_codebook(c[0], 3500);
   subnormal_codebook(c[4]);
   learned_codebook(c[1], 40); /* padded: repeated entries */
@@ -503,10 +507,22 @@ static void test_requantize_apply(void) {
   for (int i = 129; i < 256; i++) c[2][i] = (float)(i - 128) / 127.0f;
   for (int i = 0; i < 256; i++) c[3][i] = -1.0f + 2.0f * (float)i / 255.0f; /* not exact */
   for (int i = 100; i < 110; i++) c[3][i] = c[3][100] + (float)(i - 100) * 1e-5f;
-  for (int k = 0; k < 5; k++) {
+  /* 200 entries one histogram bin (2^-11) apart around 0, the closest a
+   * learned codebook has them: the 16-bit keys of their thresholds are about
+   * 8 apart */
+  for (int i = 0; i < 256; i++)
+    c[5][i] = i < 28 ? -1.0f + (float)i * (1.0f - 100 * 0x1p-11f) / 28.0f
+              : i < 228 ? (float)(i - 128) * 0x1p-11f
+                        : 1.0f - (float)(255 - i) * (1.0f - 100 * 0x1p-11f) / 28.0f;
+  for (int k = 0; k < 6; k++) {
     gefen_quantizer *q = NULL;
     gefen_error err;
     CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    /* the search over 16-bit keys (block_avx512_kernels.h) runs for the
+     * learned and the close codebook, not for repeated or too close entries */
+    if (q && (k == 0 || k == 5 || k == 1 || k == 3))
+      CHECK(q->search.key_ok == (k == 0 || k == 5), "codebook %d: key_ok %d", k,
+            q->search.key_ok);
     if (q && k == 4) {
       int ties = 0;
       for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
