@@ -382,41 +382,42 @@ INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_lev
  * unit). NaN has key 32767, above every key (all are within +-16385), so c is
  * 255, and the comparison (true for NaN) saturates at 255: NaN's code. */
 typedef struct {
-  /* the keys of the scaled levels in 16-bit lanes, level L (1..6) at
-   * level[32 (L - 1)] (only the first 2^(L - 1) used), level 7 at 192 and
-   * level 8 at 256 */
-  int16_t level[384];
+  /* key(T[i + 1]) at key[j], j the bits of i reversed (then 32 unused, so
+   * that every level's table can be read as 32 lanes). In that order each
+   * level of the search is one run: level L's entry for the bits found so
+   * far (reversed, as search64's j) is at key_level_at[L] + j, because the
+   * threshold it compares with has i = (those bits, 0, 8 - L ones). */
+  int16_t key[GEFEN_CODEBOOK_SIZE + 32];
   /* byte b of T[i + 1] at plane[b][j], j the bits of i reversed */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
   float r;
 } key_tables;
 
+/* Where level L's run starts in key_tables.key: (2^(8 - L) - 1) << L. */
+static const int key_level_at[9] = {0, 254, 252, 248, 240, 224, 192, 128, 0};
+
 /* Blocks at least this long search with 16-bit keys (the tables cost about
- * 400 operations a block). */
-#define KEY_MIN_LEN 1024
+ * 200 operations a block; in cache on Zen 4 the fused pass gained 9-21% at
+ * 512-element blocks and nothing clear at 256). */
+#define KEY_MIN_LEN 512
 
 INLINE __m512i key16(__m512 x, __m512 vr) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), _mm512_set1_ps(32767.0f)));
 }
 
-/* The key tables of a block from its scaled levels (scale_levels) and mx. */
-INLINE void key_setup(const gefen_quant_search *s, const gefen_search_levels *scaled, float mx,
-                      key_tables *kt) {
+/* The key tables of a block with magnitude mx. */
+INLINE void key_setup(const gefen_quant_search *s, float mx, key_tables *kt) {
   kt->r = 16384.0f / mx;
   const __m512 vr = _mm512_set1_ps(kt->r);
-  const float *e = (const float *)scaled;
-  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
-    const __m256i k = _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(e + 16 * g), vr));
-    if (g < 5) /* levels 1-5: one group each, in 32 lanes */
-      _mm512_storeu_si512(kt->level + 32 * g, _mm512_zextsi256_si512(k));
-    else
-      _mm256_storeu_si256((__m256i *)(kt->level + 160 + 16 * (g - 5)), k);
-  }
+  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
+  scale_bounds(s->bound_rev, s->tie_up_rev, GEFEN_CODEBOOK_SIZE / 16, mx, t);
+  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
+    _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
+                        _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
+  _mm512_storeu_si512(kt->key + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
   /* the thresholds in their own order as four byte planes, 64 at a time:
    * each vector's bytes grouped by plane (one byte permute), then a 4 x 4
    * transpose of 128-bit lanes */
-  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
-  scale_bounds(s->bound_rev, s->tie_up_rev, GEFEN_CODEBOOK_SIZE / 16, mx, t);
   static const uint8_t by_plane[64] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
                                        52, 56, 60, 1,  5,  9,  13, 17, 21, 25, 29, 33, 37,
                                        41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26,
@@ -439,27 +440,27 @@ INLINE void key_setup(const gefen_quant_search *s, const gefen_search_levels *sc
 /* The counts of keys below each of n x 32 keys q[] (bits reversed, as
  * search64), level by level over the n vectors so that their chains overlap. */
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j) {
-  const int16_t *w = kt->level;
+  const int16_t *w = kt->key;
   __mmask32 k7[4];
   for (int v = 0; v < n; v++)
-    j[v] = _mm512_maskz_mov_epi16(_mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[0])),
-                                  _mm512_set1_epi16(1));
+    j[v] = _mm512_maskz_mov_epi16(
+        _mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[key_level_at[1]])), _mm512_set1_epi16(1));
   for (int level = 2; level <= 6; level++) {
-    const __m512i t = _mm512_loadu_si512(w + 32 * (level - 1));
+    const __m512i t = _mm512_loadu_si512(w + key_level_at[level]);
     for (int v = 0; v < n; v++)
       j[v] = _mm512_mask_add_epi16(j[v], _mm512_cmpgt_epi16_mask(q[v], _mm512_permutexvar_epi16(j[v], t)),
                                    j[v], _mm512_set1_epi16((short)(1 << (level - 1))));
   }
   for (int v = 0; v < n; v++) {
     k7[v] = _mm512_cmpgt_epi16_mask(
-        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 192), j[v], _mm512_loadu_si512(w + 224)));
+        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 128), j[v], _mm512_loadu_si512(w + 160)));
     j[v] = _mm512_mask_add_epi16(j[v], k7[v], j[v], _mm512_set1_epi16(64));
   }
   for (int v = 0; v < n; v++) {
     const __m512i lo =
-        _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 256), j[v], _mm512_loadu_si512(w + 288));
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(w), j[v], _mm512_loadu_si512(w + 32));
     const __m512i hi =
-        _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 320), j[v], _mm512_loadu_si512(w + 352));
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 64), j[v], _mm512_loadu_si512(w + 96));
     const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], _mm512_mask_blend_epi16(k7[v], lo, hi));
     j[v] = _mm512_mask_add_epi16(j[v], k, j[v], _mm512_set1_epi16(128));
   }
@@ -673,6 +674,12 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
    * (about 10 cycles per 16 lanes, the scaling about 100 per block) */
   _Alignas(64) gefen_search_levels scaled;
   const gefen_search_levels *levels = &s->levels;
+#if KEY_SEARCH
+  _Alignas(64) key_tables keys;
+  const key_tables *kt = &keys;
+#else
+  const key_tables *kt = NULL;
+#endif
   int mode = BY_DIVISION;
   if (!(mx > 0.0f)) {
     mode = BY_ZERO;
@@ -681,19 +688,17 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
      * FTZ flushes when they are formed and DAZ reads as 0 in the compares, where
      * the portable code divides first (test_kernels.c, under_daz) */
     mode = BY_SCALED_LEVELS;
-    scale_levels(s, mx, &scaled);
-    levels = &scaled;
-  }
 #if KEY_SEARCH
-  _Alignas(64) key_tables keys;
-  if (mode == BY_SCALED_LEVELS && len >= KEY_MIN_LEN && s->key_ok && mx >= 0x1p-96f) {
-    mode = BY_KEYS;
-    key_setup(s, &scaled, mx, &keys);
-  }
-  const key_tables *kt = &keys;
-#else
-  const key_tables *kt = NULL;
+    if (len >= KEY_MIN_LEN && s->key_ok && mx >= 0x1p-96f) {
+      mode = BY_KEYS;
+      key_setup(s, mx, &keys);
+    } else
 #endif
+    {
+      scale_levels(s, mx, &scaled);
+      levels = &scaled;
+    }
+  }
 #if KEY_SEARCH
 #define KEY_PAIRS(MODE)                                                                    \
   if (MODE == BY_KEYS)                                                                     \
