@@ -282,32 +282,35 @@ TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base
 #define ABOVE(u, t) _mm512_cmp_ps_mask((u), (t), _CMP_NLE_UQ)
 #define SET_BIT(j, k, bit) _mm512_mask_or_epi32((j), (k), (j), _mm512_set1_epi32(bit))
 
-/* The binary search of gefen_quant_search for 4 x 16 values (u, or m with
- * levels scaled by scale_levels): j[v] gets the count's bits in reverse order. The four vectors go level by level so that
- * their dependency chains overlap. */
-INLINE void search64(const gefen_search_levels *s, const __m512 u[4], __m512i j[4]) {
+/* The binary search of gefen_quant_search for 4 x 16 values (u against its
+ * order[], or m against the thresholds scaled by scale_order): j[v] gets the
+ * count's bits in reverse order, and level L reads the run of order at
+ * GEFEN_LEVEL_AT(L). The four vectors go level by level so that their
+ * dependency chains overlap. */
+INLINE void search64(const float *order, const __m512 u[4], __m512i j[4]) {
   __mmask16 k6[4], k7[4];
-  const __m512 t1 = _mm512_set1_ps(s->level1[0]);
+  const __m512 t1 = _mm512_set1_ps(order[GEFEN_LEVEL_AT(1)]);
   for (int v = 0; v < 4; v++) j[v] = _mm512_maskz_mov_epi32(ABOVE(u[v], t1), _mm512_set1_epi32(1));
   for (int level = 2; level <= 5; level++) {
-    const __m512 t = _mm512_loadu_ps(s->level2_5[level - 2]);
+    const __m512 t = _mm512_loadu_ps(order + GEFEN_LEVEL_AT(level));
     for (int v = 0; v < 4; v++)
       j[v] = SET_BIT(j[v], ABOVE(u[v], _mm512_permutexvar_ps(j[v], t)), 1 << (level - 1));
   }
-  const __m512 t6a = _mm512_loadu_ps(s->level6), t6b = _mm512_loadu_ps(s->level6 + 16);
+  const float *t6 = order + GEFEN_LEVEL_AT(6), *t7 = order + GEFEN_LEVEL_AT(7);
+  const __m512 t6a = _mm512_loadu_ps(t6), t6b = _mm512_loadu_ps(t6 + 16);
   for (int v = 0; v < 4; v++) {
     k6[v] = ABOVE(u[v], _mm512_permutex2var_ps(t6a, j[v], t6b));
     j[v] = SET_BIT(j[v], k6[v], 32);
   }
-  const __m512 t7a = _mm512_loadu_ps(s->level7), t7b = _mm512_loadu_ps(s->level7 + 16),
-               t7c = _mm512_loadu_ps(s->level7 + 32), t7d = _mm512_loadu_ps(s->level7 + 48);
+  const __m512 t7a = _mm512_loadu_ps(t7), t7b = _mm512_loadu_ps(t7 + 16),
+               t7c = _mm512_loadu_ps(t7 + 32), t7d = _mm512_loadu_ps(t7 + 48);
   for (int v = 0; v < 4; v++) {
     const __m512 lo = _mm512_permutex2var_ps(t7a, j[v], t7b);
     const __m512 hi = _mm512_permutex2var_ps(t7c, j[v], t7d);
     k7[v] = ABOVE(u[v], _mm512_mask_blend_ps(k6[v], lo, hi));
     j[v] = SET_BIT(j[v], k7[v], 64);
   }
-  const float *t8 = s->level8;
+  const float *t8 = order + GEFEN_LEVEL_AT(8);
   for (int v = 0; v < 4; v++) {
     /* entry (bit 6, bit 5, bits 0-4) of the reversed index: bits 5 and 6 are
      * the outcomes of levels 6 and 7 */
@@ -335,19 +338,19 @@ INLINE __m512 float_below(__m512 x) {
   return _mm512_castsi512_ps(r);
 }
 
-/* The thresholds of s in m-space for the magnitude mx (finite, > 0): u > t
- * exactly when m > RD(b * mx), or m > float_below(RU(b * mx)) when a tie at
- * b rounds up (gefen_quant_search). */
-INLINE void scale_bounds(const double *bound, const uint16_t *tie_up, int groups, float mx,
-                         float *o) {
+/* The thresholds of s in m-space for the magnitude mx (finite, > 0), in
+ * search order (GEFEN_SEARCH_ENTRIES of them): u > t exactly when
+ * m > RD(b * mx), or m > float_below(RU(b * mx)) when a tie at b rounds up
+ * (gefen_quant_search). */
+INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
   const __m512d vmx = _mm512_set1_pd((double)mx);
-  for (int g = 0; g < groups; g++) {
-    const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(bound + 16 * g), vmx); /* exact */
-    const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(bound + 16 * g + 8), vmx);
+  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
+    const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g), vmx); /* exact */
+    const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g + 8), vmx);
     __m512 t = _mm512_insertf32x8(
         _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
         _mm512_cvt_roundpd_ps(hi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), 1);
-    const __mmask16 tie = tie_up[g];
+    const __mmask16 tie = s->tie_up[g];
     if (tie) {
       const __m512 up = _mm512_insertf32x8(
           _mm512_castps256_ps512(_mm512_cvt_roundpd_ps(lo, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)),
@@ -356,10 +359,6 @@ INLINE void scale_bounds(const double *bound, const uint16_t *tie_up, int groups
     }
     _mm512_storeu_ps(o + 16 * g, t);
   }
-}
-
-INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_levels *out) {
-  scale_bounds(s->bound, s->tie_up, GEFEN_SEARCH_ENTRIES / 16, mx, (float *)out);
 }
 
 #ifndef KEY_SEARCH
@@ -382,19 +381,15 @@ INLINE void scale_levels(const gefen_quant_search *s, float mx, gefen_search_lev
  * unit). NaN has key 32767, above every key (all are within +-16385), so c is
  * 255, and the comparison (true for NaN) saturates at 255: NaN's code. */
 typedef struct {
-  /* key(T[i + 1]) at key[j], j the bits of i reversed (then 32 unused, so
-   * that every level's table can be read as 32 lanes). In that order each
-   * level of the search is one run: level L's entry for the bits found so
-   * far (reversed, as search64's j) is at key_level_at[L] + j, because the
-   * threshold it compares with has i = (those bits, 0, 8 - L ones). */
+  /* the keys of the scaled thresholds in search order (gefen_quant_search's
+   * order: level L's run at GEFEN_LEVEL_AT(L)), then 32 zeros, so that every
+   * level's table can be read as 32 lanes */
   int16_t key[GEFEN_CODEBOOK_SIZE + 32];
-  /* byte b of T[i + 1] at plane[b][j], j the bits of i reversed */
+  /* byte b of the scaled threshold at plane[b][j], j in search order: j is the
+   * count's bits reversed for the threshold above that count */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
   float r;
 } key_tables;
-
-/* Where level L's run starts in key_tables.key: (2^(8 - L) - 1) << L. */
-static const int key_level_at[9] = {0, 254, 252, 248, 240, 224, 192, 128, 0};
 
 /* Blocks at least this long search with 16-bit keys (the tables cost about
  * 200 operations a block; in cache on Zen 4 the fused pass gained 9-21% at
@@ -405,12 +400,11 @@ INLINE __m512i key16(__m512 x, __m512 vr) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), _mm512_set1_ps(32767.0f)));
 }
 
-/* The key tables of a block with magnitude mx. */
-INLINE void key_setup(const gefen_quant_search *s, float mx, key_tables *kt) {
+/* The key tables of a block with magnitude mx from its scaled thresholds t
+ * (scale_order). */
+INLINE void key_setup(const float *t, float mx, key_tables *kt) {
   kt->r = 16384.0f / mx;
   const __m512 vr = _mm512_set1_ps(kt->r);
-  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
-  scale_bounds(s->bound_rev, s->tie_up_rev, GEFEN_CODEBOOK_SIZE / 16, mx, t);
   for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
     _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
                         _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
@@ -444,16 +438,17 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
   __mmask32 k7[4];
   for (int v = 0; v < n; v++)
     j[v] = _mm512_maskz_mov_epi16(
-        _mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[key_level_at[1]])), _mm512_set1_epi16(1));
+        _mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)])), _mm512_set1_epi16(1));
   for (int level = 2; level <= 6; level++) {
-    const __m512i t = _mm512_loadu_si512(w + key_level_at[level]);
+    const __m512i t = _mm512_loadu_si512(w + GEFEN_LEVEL_AT(level));
     for (int v = 0; v < n; v++)
       j[v] = _mm512_mask_add_epi16(j[v], _mm512_cmpgt_epi16_mask(q[v], _mm512_permutexvar_epi16(j[v], t)),
                                    j[v], _mm512_set1_epi16((short)(1 << (level - 1))));
   }
   for (int v = 0; v < n; v++) {
     k7[v] = _mm512_cmpgt_epi16_mask(
-        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 128), j[v], _mm512_loadu_si512(w + 160)));
+        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + GEFEN_LEVEL_AT(7)), j[v],
+                                  _mm512_loadu_si512(w + GEFEN_LEVEL_AT(7) + 32)));
     j[v] = _mm512_mask_add_epi16(j[v], k7[v], j[v], _mm512_set1_epi16(64));
   }
   for (int v = 0; v < n; v++) {
@@ -621,7 +616,7 @@ INLINE void requantize128_keys(const gefen_quant_search *s, const key_tables *kt
 }
 #endif
 
-INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels *levels,
+INLINE void requantize64(const gefen_quant_search *s, const float *order,
                          const key_tables *kt, float *m, __m512 vmx, const int mode,
                          int64_t len, uint8_t *codes,
                          const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
@@ -647,7 +642,7 @@ INLINE void requantize64(const gefen_quant_search *s, const gefen_search_levels 
 #else
   (void)kt;
 #endif
-  search64(levels, u, bits);
+  search64(order, u, bits);
   if (kind == GEFEN_SINK_CODES) { /* the codes alone: no decoding */
     store_codes64(s, bits, codes + j, km);
     return;
@@ -672,8 +667,8 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   /* u = 0 everywhere (NaN included) when mx is 0; for a long block with a
    * finite mx, the thresholds scaled by mx instead of a division per element
    * (about 10 cycles per 16 lanes, the scaling about 100 per block) */
-  _Alignas(64) gefen_search_levels scaled;
-  const gefen_search_levels *levels = &s->levels;
+  _Alignas(64) float scaled[GEFEN_SEARCH_ENTRIES];
+  const float *order = s->order;
 #if KEY_SEARCH
   _Alignas(64) key_tables keys;
   const key_tables *kt = &keys;
@@ -688,16 +683,14 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
      * FTZ flushes when they are formed and DAZ reads as 0 in the compares, where
      * the portable code divides first (test_kernels.c, under_daz) */
     mode = BY_SCALED_LEVELS;
+    scale_order(s, mx, scaled);
+    order = scaled;
 #if KEY_SEARCH
     if (len >= KEY_MIN_LEN && s->key_ok && mx >= 0x1p-96f) {
       mode = BY_KEYS;
-      key_setup(s, mx, &keys);
-    } else
-#endif
-    {
-      scale_levels(s, mx, &scaled);
-      levels = &scaled;
+      key_setup(scaled, mx, &keys);
     }
+#endif
   }
 #if KEY_SEARCH
 #define KEY_PAIRS(MODE)                                                                    \
@@ -712,10 +705,10 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     int64_t j = 0;                                                                          \
     KEY_PAIRS(MODE);                                                                        \
     for (; j + 64 <= len; j += 64)                                                          \
-      requantize64(s, levels, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
+      requantize64(s, order, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
                    ~(__mmask64)0, packed);                                                  \
     if (j < len) /* the tail in element order, as momentum_t leaves it */                    \
-      requantize64(s, levels, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
+      requantize64(s, order, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
                    tail_mask64(len - j), 0);                                                \
   } while (0)
 #if KEY_SEARCH
@@ -876,7 +869,7 @@ INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, cons
                                           _mm512_set1_ps(a->eps)));
     u[v] = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(mx[v], zero, _CMP_GT_OQ), x, mx[v]);
   }
-  search64(&s->levels, u, bits);
+  search64(s->order, u, bits);
   store_and_decode64(s, bits, a->codes + j, km, c);
   for (int v = 0; v < 4; v++) {
     const __mmask16 k = part_mask(km, v);

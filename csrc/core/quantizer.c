@@ -104,7 +104,7 @@ static double bound_above(float t, uint16_t *tie_up, int bit) {
 
 /* The thresholds of gefen_quant_search by bisection over the floats of
  * [-1, 1] (the code is non-decreasing in u and the code of -1 is 0), then
- * the binary search's levels and the codebook's byte planes. */
+ * the binary search's order and the codebook's byte planes. */
 static void build_search(gefen_quant_search *s, const float *c) {
   s->threshold[0] = -INFINITY;
   for (int code = 1; code < GEFEN_CODEBOOK_SIZE; code++) {
@@ -122,43 +122,18 @@ static void build_search(gefen_quant_search *s, const float *c) {
     }
     s->threshold[code] = key_float(lo) == 0.0f ? 0.0f : key_float(lo); /* never -0 */
   }
-  for (int level = 1; level <= 8; level++) {
-    const int step = GEFEN_CODEBOOK_SIZE >> level, n = 1 << (level - 1);
-    for (int prefix = 0; prefix < n; prefix++) {
-      /* prefix: the bits found by the levels above, highest first; j: reversed */
-      const int j = bit_reverse8(prefix) >> (9 - level);
-      const float t = s->threshold[prefix * 2 * step + step];
-      gefen_search_levels *lv = &s->levels;
-      if (level == 1)
-        lv->level1[j] = t;
-      else if (level <= 5)
-        lv->level2_5[level - 2][j] = t;
-      else if (level == 6)
-        lv->level6[j] = t;
-      else if (level == 7)
-        lv->level7[j] = t;
-      else
-        lv->level8[j] = t;
-    }
-  }
-  /* the midpoints above the thresholds, for the search without division */
-  const float *entry = (const float *)&s->levels;
+  /* the search order, the midpoints above its thresholds (for the search
+   * without division), and whether they are far enough apart for 16-bit keys */
   memset(s->tie_up, 0, sizeof s->tie_up);
-  for (int i = 0; i < GEFEN_SEARCH_ENTRIES; i++)
-    s->bound[i] = bound_above(entry[i], &s->tie_up[i / 16], i % 16);
-  /* the same bounds in the thresholds' own order, and whether they are far
-   * enough apart for 16-bit keys (see gefen_quant_search) */
-  memset(s->tie_up_rev, 0, sizeof s->tie_up_rev);
   s->key_ok = 1;
-  for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
-    const int i = bit_reverse8(j);
-    if (i == GEFEN_CODEBOOK_SIZE - 1) {
-      s->bound_rev[j] = 2.0; /* no threshold above the last */
-      continue;
-    }
-    const float t = s->threshold[i + 1];
-    s->bound_rev[j] = bound_above(t, &s->tie_up_rev[j / 16], j % 16);
-    if (i > 0 && !((double)t - (double)s->threshold[i] >= 0x1p-12)) s->key_ok = 0;
+  for (int j = 0; j < GEFEN_SEARCH_ENTRIES; j++) {
+    const int i = j < GEFEN_CODEBOOK_SIZE ? bit_reverse8(j) : GEFEN_CODEBOOK_SIZE - 1;
+    const float t = i < GEFEN_CODEBOOK_SIZE - 1 ? s->threshold[i + 1] : 1.0f;
+    s->order[j] = t;
+    s->bound[j] = bound_above(t, &s->tie_up[j / 16], j % 16);
+    if (i > 0 && i < GEFEN_CODEBOOK_SIZE - 1 &&
+        !((double)t - (double)s->threshold[i] >= 0x1p-12))
+      s->key_ok = 0;
   }
   for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
     s->code_of[j] = (uint8_t)bit_reverse8(j);

@@ -4,21 +4,18 @@
 
 #include "core_internal.h"
 
-/* The thresholds of the binary search below, in the order its levels read
- * them: level L (1..8) compares u with the threshold at (bits found so far, 1,
- * 0, ...) and records its bit as bit L - 1 of an index j, so j holds the found
- * bits in reverse order and each level's table is indexed by j directly.
- * level1 is one value (padded to 16), level2_5[L - 2] holds 2^(L-1) values,
- * level6/7/8 hold 32, 64 and 128 (two, four and eight 16-float registers). */
-typedef struct {
-  float level1[16];
-  float level2_5[4][16];
-  float level6[32];
-  float level7[64];
-  float level8[128];
-} gefen_search_levels;
-
-#define GEFEN_SEARCH_ENTRIES ((int)(sizeof(gefen_search_levels) / sizeof(float)))
+/* The order in which the binary search below reads its thresholds: entry j
+ * holds threshold[i + 1] with j the bits of i reversed. Level L (1..8)
+ * compares u with the threshold at i = (the bits found so far, 0, 8 - L
+ * ones), i.e. at j = GEFEN_LEVEL_AT(L) + (the bits found so far, reversed),
+ * and records its bit as bit L - 1 of an index of those reversed bits, so
+ * each level's table is one run of entries indexed by it directly: level 8
+ * at 0..127, 7 at 128..191, 6 at 192..223, 5 at 224..239, 4 at 240..247, 3
+ * at 248..251, 2 at 252..253 and level 1 at 254. Entry 255 (no threshold:
+ * i = 255) and 16 entries of padding, so that every level's table loads as 16
+ * floats, hold 1 (no count depends on them). */
+#define GEFEN_LEVEL_AT(L) (((1 << (8 - (L))) - 1) << (L))
+#define GEFEN_SEARCH_ENTRIES (GEFEN_CODEBOOK_SIZE + 16)
 
 /* The nearest-code rule as a count of thresholds, for searches without table
  * look-ups in memory (quantizer.c builds it, the AVX-512 kernels use it).
@@ -38,13 +35,17 @@ typedef struct {
  * a subnormal t). b * mx is exact in float64 (25 by 24 significant bits), so
  * u > t exactly when m > RD(b * mx), rounded down to a float (or, for a tie
  * that rounds up, m > the float below RU(b * mx)). bound[] holds b for every
- * entry of levels and tie_up[g] the entries of group g (16 entries) whose tie
- * rounds up: scaled by mx once per block, the levels search m itself. */
+ * entry of order and tie_up[g] the entries of group g (16 entries) whose tie
+ * rounds up: scaled by mx once per block, the search runs on m itself. */
 typedef struct {
   float threshold[GEFEN_CODEBOOK_SIZE]; /* [0] unused (-inf) */
-  gefen_search_levels levels;
+  float order[GEFEN_SEARCH_ENTRIES];    /* the thresholds in search order */
   double bound[GEFEN_SEARCH_ENTRIES];
   uint16_t tie_up[GEFEN_SEARCH_ENTRIES / 16];
+  /* every two consecutive thresholds at least 2^-12 apart, so that the 16-bit
+   * keys of any block's scaled thresholds come out strictly increasing (the
+   * key search of block_avx512_kernels.h, KEY_SEARCH) */
+  int key_ok;
   uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
   /* codebook[code] by code, and by the search's reversed bits j (value of
    * code_of[j]): sixteen 16-float registers each, for decoding without VBMI */
@@ -53,15 +54,6 @@ typedef struct {
   /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
    * 256-byte tables, for decoding 64 codes with byte permutes */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
-  /* For the search over 16-bit keys (block_avx512_kernels.h, KEY_SEARCH):
-   * the b of threshold[i + 1] at bound_rev[j], j the bits of i reversed
-   * (bound_rev[255] = 2, above every m: no threshold above code 255), their
-   * tie bits (tie_up_rev), and key_ok: every two consecutive thresholds at
-   * least 2^-12 apart, so that the keys of any block's scaled thresholds come
-   * out strictly increasing. */
-  double bound_rev[GEFEN_CODEBOOK_SIZE];
-  uint16_t tie_up_rev[GEFEN_CODEBOOK_SIZE / 16];
-  int key_ok;
 } gefen_quant_search;
 
 struct gefen_quantizer {

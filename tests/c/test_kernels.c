@@ -399,7 +399,7 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
   const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
   const gefen_sink_kind kinds[4] = {GEFEN_SINK_M, GEFEN_SINK_ADAM_BLOCK,
                                     GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
-  const float *bound_src = (const float *)&q->search.levels;
+  const float *bound_src = q->search.order;
   for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
     for (int variant = 0; variant < 6; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
@@ -561,7 +561,7 @@ static void test_scaled_rule(void) {
     gefen_error err;
     gefen_quantizer_create(c[k], &q, &err);
     if (!q) continue;
-    const float *t = (const float *)&q->search.levels;
+    const float *t = q->search.order;
     for (int trial = 0; trial < 400; trial++) {
       float mx;
       switch (trial % 4) {
