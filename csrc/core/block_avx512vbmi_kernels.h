@@ -70,17 +70,17 @@ INLINE __m512i codes_t_of(const gefen_quant_search *s, const __m512i bits[4]) {
   return lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
 }
 
+/* 64 codes given in transposed order stored in element order. */
+INLINE void store_t(__m512i codes_t, uint8_t *codes, __mmask64 km) {
+  _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
+}
+
 /* The codes of bits[4] stored in element order; returns them transposed. */
 INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
                              uint8_t *codes, __mmask64 km) {
   const __m512i codes_t = codes_t_of(s, bits);
-  _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
+  store_t(codes_t, codes, km);
   return codes_t;
-}
-
-/* 64 codes given in transposed order stored in element order. */
-INLINE void store_t(__m512i codes_t, uint8_t *codes, __mmask64 km) {
-  _mm512_mask_storeu_epi8(codes, km, transpose_dwords(codes_t));
 }
 
 INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
