@@ -25,6 +25,8 @@
  * least KEY_MIN_LEN with a codebook whose thresholds are not too close search
  * 16-bit keys of m instead, 32 lanes per vector, and settle the one threshold
  * the keys cannot decide by an exact comparison (key_codes_t): the same count.
+ * Only on CPUs where that is faster (key_search: AMD; on Intel the 16-bit
+ * permutes cost more than two float ones).
  *
  * Everything else (the fp32 operations, their order, the float64 lanes of the
  * sums, the dtype conversions of block_avx512_common.h) is that of the
@@ -686,7 +688,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     scale_order(s, mx, scaled);
     order = scaled;
 #if KEY_SEARCH
-    if (len >= KEY_MIN_LEN && s->key_ok && mx >= 0x1p-96f) {
+    if (len >= KEY_MIN_LEN && s->key_search && mx >= 0x1p-96f) {
       mode = BY_KEYS;
       key_setup(scaled, mx, &keys);
     }

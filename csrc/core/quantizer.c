@@ -143,6 +143,7 @@ static void build_search(gefen_quant_search *s, const float *c) {
     s->value_of[j] = c[j];
     s->value_of_bits[j] = c[s->code_of[j]];
   }
+  s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
 }
 
 gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out,

@@ -46,6 +46,10 @@ typedef struct {
    * keys of any block's scaled thresholds come out strictly increasing (the
    * key search of block_avx512_kernels.h, KEY_SEARCH) */
   int key_ok;
+  /* key_ok, and the CPU runs the key search faster than the search over
+   * floats (gefen_cpu_prefers_key_search): what the kernels read. Both give
+   * the same codes; a test may set it to either value when key_ok is set. */
+  int key_search;
   uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
   /* codebook[code] by code, and by the search's reversed bits j (value of
    * code_of[j]): sixteen 16-float registers each, for decoding without VBMI */
@@ -72,6 +76,13 @@ struct gefen_quantizer {
   uint8_t sel_code[2 * GEFEN_CODEBOOK_SIZE];
   float sel_value[2 * GEFEN_CODEBOOK_SIZE];
 };
+
+/* Whether this CPU runs the search over 16-bit keys faster than the one over
+ * floats (block_avx512vbmi.c): measured faster on AMD Zen 4 (its 16-bit
+ * permutes cost what its float ones do) and slower on Intel Sapphire Rapids
+ * (where vpermw and vpermt2w have about 1.6 and 2.7 times the cost of a
+ * float permute), so AMD CPUs with VBMI only. */
+int gefen_cpu_prefers_key_search(void);
 
 uint8_t gefen_quantize_reference(const float *codebook, float u);
 uint8_t gefen_quant_stochastic(const gefen_quant_table *t, float u, uint64_t seed,

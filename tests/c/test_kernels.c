@@ -523,6 +523,9 @@ static void test_requantize_apply(void) {
     if (q && (k == 0 || k == 5 || k == 1 || k == 3))
       CHECK(q->search.key_ok == (k == 0 || k == 5), "codebook %d: key_ok %d", k,
             q->search.key_ok);
+    if (q)
+      CHECK(q->search.key_search == (q->search.key_ok && gefen_cpu_prefers_key_search()),
+            "codebook %d: key_search %d", k, q->search.key_search);
     if (q && k == 4) {
       int ties = 0;
       for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
@@ -530,9 +533,14 @@ static void test_requantize_apply(void) {
       CHECK(ties > 16, "the subnormal codebook has only %d ties that round up", ties);
     }
     if (!q) continue;
-    for (int s = 0; s < n; s++)
-      if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
-        requantize_apply_on(simd[s], names[s], q);
+    /* where the codebook allows the key search, both searches, whichever
+     * this CPU prefers */
+    for (int keys = q->search.key_ok; keys >= 0; keys--) {
+      q->search.key_search = keys;
+      for (int s = 0; s < n; s++)
+        if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
+          requantize_apply_on(simd[s], names[s], q);
+    }
     gefen_quantizer_destroy(q);
   }
 }
