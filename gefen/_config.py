@@ -89,6 +89,14 @@ def _threads_line(ext) -> str:
            f"OpenMP default {core})"
 
 
+def _search_line(ext) -> str:
+    if ext.simd_path() not in ("avx512bf16", "avx512vbmi"):
+        return "binary search over floats or the exact lookup table (no VBMI here)"
+    if ext.key_search():
+        return "over 16-bit keys for blocks of 512 or more (AMD), floats otherwise; same codes"
+    return "binary search over floats (the 16-bit key search is slower on this CPU); same codes"
+
+
 def _openmp_line(version_macro: int) -> str:
     if not version_macro:
         return "no (single-threaded core)"
@@ -132,6 +140,7 @@ def report() -> dict:
         "this machine": {
             "CPU kernels": f"{_C.simd_path()} (chosen at run time; avx512bf16, avx512vbmi, avx512, "
                            f"avx2 and portable give the same bits)",
+            "code search": _search_line(_C),
             "threads": _threads_line(_C),
             "CUDA device": "visible" if _C.cuda_available()
             else "none visible" if info["cuda"] else "not built in",

@@ -59,6 +59,8 @@ def test_show_config_reports_what_a_bug_report_needs():
     assert f"flags:        {info['cflags']}" in text
     assert "CPython limited API 3.10 (abi3" in text
     assert f"CPU kernels:  {_C.simd_path()} (chosen at run time" in text
+    search = ("over 16-bit keys" if _C.key_search() else "binary search over floats")
+    assert f"code search:  {search}" in text
     assert f"threads:      {torch.get_num_threads()} (torch.get_num_threads()" in text
     openmp = "OpenMP:       yes (" if _C.has_threads() else "OpenMP:       no"
     assert openmp in text
@@ -97,6 +99,10 @@ def test_simd_path_is_the_one_this_cpu_supports():
     else:
         expected = "portable"
     assert _C.simd_path() == expected
+    # the 16-bit key search: AMD CPUs with VBMI only (measured slower on Intel)
+    with open("/proc/cpuinfo") as f:
+        amd = any(x.startswith("vendor_id") and "AuthenticAMD" in x for x in f)
+    assert _C.key_search() == (amd and expected in ("avx512bf16", "avx512vbmi"))
 
 
 @pytest.mark.parametrize("threads", ["1", "3"])

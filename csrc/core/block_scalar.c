@@ -424,6 +424,8 @@ const char *gefen_core_simd_path(void) {
   return "portable";
 }
 
+int gefen_core_key_search(void) { return gefen_cpu_prefers_key_search(); }
+
 const gefen_block_ops *gefen_block_ops_for(const gefen_quantizer *q) {
   /* the threshold search of the AVX-512 versions is exact for every codebook */
   const gefen_block_ops *ops = gefen_block_ops_avx512bf16();

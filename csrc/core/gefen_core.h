@@ -59,6 +59,11 @@ int gefen_core_has_threads(void);
  * bit-identical): "avx512bf16" (AVX-512 with VBMI and BF16), "avx512vbmi", "avx512",
  * "avx2" or "portable". */
 const char *gefen_core_simd_path(void);
+/* 1 when the AVX-512 + VBMI kernels search nearest codes over 16-bit keys on
+ * this CPU (AMD; blocks of at least 512 with a codebook that allows it), 0
+ * when they search over the floats (Intel and other CPUs, where that measured
+ * faster) or this CPU has no VBMI. Both give the same codes. */
+int gefen_core_key_search(void);
 /* The threads a call with nthreads = 0 uses: OpenMP's default, 1 without it. */
 int gefen_core_default_threads(void);
 

@@ -48,6 +48,14 @@ PyObject *gefen_py_simd_path(PyObject *self, PyObject *unused) {
   return PyUnicode_FromString(gefen_core_simd_path());
 }
 
+/* key_search() -> bool: whether the VBMI kernels search nearest codes over 16-bit keys
+ * on this CPU (else over the floats; the same codes either way). */
+PyObject *gefen_py_key_search(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  return PyBool_FromLong(gefen_core_key_search());
+}
+
 /* default_threads() -> int: the threads a core call with nthreads = 0 uses
  * (OpenMP's default; 1 without OpenMP). */
 PyObject *gefen_py_default_threads(PyObject *self, PyObject *unused) {

@@ -8,6 +8,7 @@
 
 PyObject *gefen_py_build_info(PyObject *self, PyObject *unused);
 PyObject *gefen_py_simd_path(PyObject *self, PyObject *unused);
+PyObject *gefen_py_key_search(PyObject *self, PyObject *unused);
 PyObject *gefen_py_default_threads(PyObject *self, PyObject *unused);
 
 #endif /* GEFEN_BUILD_INFO_PY_H */

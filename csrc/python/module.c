@@ -350,7 +350,11 @@ static PyMethodDef module_methods[] = {
     {"build_info", gefen_py_build_info, METH_NOARGS,
      "build_info() -> dict: distribution, version, compiler, flags, OpenMP, CUDA of this build"},
     {"simd_path", gefen_py_simd_path, METH_NOARGS,
-     "simd_path() -> 'avx512', 'avx2' or 'portable': the element kernels chosen on this CPU"},
+     "simd_path() -> 'avx512bf16', 'avx512vbmi', 'avx512', 'avx2' or 'portable': the element "
+     "kernels chosen on this CPU"},
+    {"key_search", gefen_py_key_search, METH_NOARGS,
+     "key_search() -> bool: the VBMI kernels search nearest codes over 16-bit keys here "
+     "(AMD), else over floats; the same codes either way"},
     {"default_threads", gefen_py_default_threads, METH_NOARGS,
      "default_threads() -> int: threads of a core call with nthreads=0 (OpenMP's default)"},
     {"built_with_cuda", gefen_py_built_with_cuda, METH_NOARGS,
