@@ -6,9 +6,11 @@
  * defines TARGET, INLINE and CVT_BF16, includes block_avx512_common.h first,
  * and gets the table ops_vbmi.
  *
- * Codebook values without a gather (on the CPUs we measured, one 16-lane
- * gather costs 25-40 cycles, more than all the arithmetic of a step) and with
- * byte permutes.
+ * Codebook values without a gather (on the first CPUs we measured, one
+ * 16-lane gather cost 25-40 cycles, more than all the arithmetic of a step;
+ * on a Sapphire Rapids without the gather mitigation it costs about 8, and
+ * gathers in place of the look-ups below still made the steps 0-13% slower,
+ * docs/performance.md) and with byte permutes.
  *
  * Decoding C[code]: the 256 fp32 entries are four 256-byte tables, byte b of
  * every entry (gefen_quant_search.plane). Two vpermi2b and a blend look up one
