@@ -28,12 +28,7 @@
 #include <time.h>
 
 #include "block_ops.h"
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
+#include "bench_clock.h"
 
 enum { N_STAGES = 12 };
 static const char *stage_names[N_STAGES] = {

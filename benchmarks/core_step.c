@@ -23,26 +23,11 @@
 #include "gefen_core.h"
 #include "block_ops.h" /* the phases of gefen_adam_step one at a time */
 #include "core_internal.h" /* gefen_f32_to_f16 for the fp16 test data */
+#include "bench_clock.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static double minimum(const double *v, int n) {
   double m = v[0];

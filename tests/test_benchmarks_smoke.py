@@ -217,7 +217,7 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
                        text=True, timeout=600)  # the core once, for both programs
     assert r.returncode == 0, r.stderr[-3000:]
     objects = sorted(str(f) for f in tmp_path.glob("*.o"))
-    for prog in ("core_breakdown", "core_step"):
+    for prog in ("core_breakdown", "core_step", "kernel_ab"):
         r = subprocess.run(
             [_cc(), *flags, os.path.join(BENCH, prog + ".c"), *objects,
              "-o", str(tmp_path / prog), "-lm"], capture_output=True, text=True, timeout=600,
@@ -232,3 +232,22 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     for what in ("block: update", "factored: whole step", "gefen_adam_step (one call)",
                  "GefenMuon momentum"):
         assert r.stdout.count(what) == 6, what
+    # kernel_ab: the portable code against the table this CPU uses (the portable code
+    # itself where it has none), outputs compared bit for bit before any timing
+    best = "portable"
+    for table in ("avx512bf16", "avx512vbmi", "avx512", "avx2"):
+        r = subprocess.run([str(tmp_path / "kernel_ab"), table, "portable", "64", "2", "1"],
+                           capture_output=True, text=True, timeout=120)
+        if "has no" not in r.stderr:
+            best = table
+            break
+    r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", best, "136", "3", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "outputs identical" in r.stdout
+    for what in ("fp32 block step", "bf16 block step", "fp16 block step", "fp32 factored step",
+                 "muon momentum+fused", "requantize alone", "momentum alone"):
+        assert r.stdout.count(what) == 1, what
+    r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "avx3"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "a version is" in r.stderr

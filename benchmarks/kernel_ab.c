@@ -1,0 +1,321 @@
+/* Two versions of the C core's block kernels against each other in one process: the
+ * way docs/performance.md measures a kernel change or a per-CPU choice on a host whose
+ * speed drifts (a VM's can move by a quarter within the hour, so runs of separate
+ * programs are not comparable). Each repetition times every stage below on a few
+ * blocks in cache with version A or B, in ABBA order; each figure is the median over
+ * the repetitions of one side, in ns per element, one thread. Before timing, every
+ * stage runs once with each version on the same inputs and the outputs (codes, m,
+ * parameters, the bf16 Muon output, max|m|, the sums of g^2) must agree bit for bit,
+ * or the program says where they differ and exits with 1.
+ *
+ *   kernel_ab A B [period] [blocks] [repetitions]
+ *   kernel_ab avx512vbmi avx512bf16            two tables of kernels
+ *   kernel_ab avx512bf16-keys avx512bf16+keys  the 16-bit key search off and on
+ *   kernel_ab portable avx2
+ *
+ * A version is a table (avx512bf16, avx512vbmi, avx512, avx2, portable) that this CPU
+ * has, optionally followed by +keys or -keys to force the nearest-code search over
+ * 16-bit keys on or off (the VBMI tables read it, the others ignore it; without it,
+ * the CPU's default: keys on AMD).
+ * Defaults: period 2048, 8 blocks, 200 repetitions per side.
+ *
+ *   stages: fp32 block step (Adam momentum with the sum of g^2, then requantisation and
+ *   update in one pass), the same with bfloat16 gradients and parameters (the packed
+ *   order where the table has it) and with float16 ones, the factored form's update
+ *   (momentum, then its fused pass with a step size per column), GefenMuon's momentum
+ *   and fused pass into a bf16 output, requantise alone, Adam momentum alone.
+ *
+ *   bash benchmarks/kernel_ab.sh A B [period] [blocks] [repetitions]   (builds and runs) */
+#define _POSIX_C_SOURCE 199309L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "block_ops.h"
+#include "quantizer_internal.h" /* key_ok / key_search, to force the key search */
+#include "bench_clock.h"
+
+enum { N_STAGES = 7 };
+static const char *stage_names[N_STAGES] = {
+    "fp32 block step", "bf16 block step", "fp16 block step", "fp32 factored step",
+    "muon momentum+fused", "requantize alone", "momentum alone"};
+
+typedef struct {
+  const char *spec;
+  const gefen_block_ops *ops;
+  gefen_quantizer *q;
+} version;
+
+/* The buffers one version works on: gradients (fp32, bf16, fp16), parameters of the
+ * three dtypes, codes, the Muon output and the per-block scratch. */
+typedef struct {
+  float *g, *p, *m, *scol, *gmax; /* gmax: max|g| of each block */
+  uint16_t *g16, *p16, *h16, *ph16, *out;
+  uint8_t *codes;
+  float mx[N_STAGES];
+  double sq[N_STAGES];
+} buffers;
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n);
+  if (!p) {
+    fprintf(stderr, "kernel_ab: out of memory\n");
+    exit(2);
+  }
+  return p;
+}
+
+static void buffers_init(buffers *b, int64_t n, int64_t P) {
+  b->g = xmalloc((size_t)n * 4);
+  b->p = xmalloc((size_t)n * 4);
+  b->m = xmalloc((size_t)P * 4);
+  b->gmax = xmalloc((size_t)(n / P) * 4);
+  b->scol = xmalloc((size_t)P * 4);
+  b->g16 = xmalloc((size_t)n * 2);
+  b->p16 = xmalloc((size_t)n * 2);
+  b->h16 = xmalloc((size_t)n * 2);
+  b->ph16 = xmalloc((size_t)n * 2);
+  b->out = xmalloc((size_t)n * 2);
+  b->codes = xmalloc((size_t)n);
+  uint64_t s = 0x9E3779B97F4A7C15ull;
+  for (int64_t i = 0; i < n; i++) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    b->g[i] = (float)((int)(s % 2001) - 1000) / 1000.0f;
+    b->p[i] = 1.0f + (float)(s >> 40 & 1023) / 4096.0f;
+    uint32_t bits;
+    memcpy(&bits, &b->g[i], sizeof bits);
+    b->g16[i] = (uint16_t)(bits >> 16); /* g truncated to bfloat16 */
+    b->p16[i] = 0x3f80u;                /* 1.0 */
+    b->h16[i] = (uint16_t)(0x3800u + (uint16_t)(s >> 20 & 0x3ff)) | (uint16_t)((s >> 31 & 1) << 15);
+    b->ph16[i] = 0x3c00u; /* float16: g in +-[0.5, 1), p = 1.0 */
+    b->out[i] = 0;
+    b->codes[i] = (uint8_t)(s >> 50);
+  }
+  for (int64_t j = 0; j < P; j++) b->scol[j] = 0.5f + (float)j / (float)P;
+  for (int64_t k = 0; k < n / P; k++) {
+    float mx = 0.0f;
+    for (int64_t j = 0; j < P; j++) mx = fabsf(b->g[k * P + j]) > mx ? fabsf(b->g[k * P + j]) : mx;
+    b->gmax[k] = mx;
+  }
+  memset(b->mx, 0, sizeof b->mx);
+  memset(b->sq, 0, sizeof b->sq);
+}
+
+static void buffers_free(buffers *b) {
+  free(b->g), free(b->p), free(b->m), free(b->scol), free(b->gmax), free(b->g16), free(b->p16);
+  free(b->h16), free(b->ph16), free(b->out), free(b->codes);
+}
+
+/* A block step of Adam (momentum with the sum of g^2, then the fused pass into the
+ * parameters) at base; returns max|m|. */
+static float block_step(const version *v, const void *grad, gefen_dtype dt, void *param,
+                        int packed, uint8_t *codes, int64_t base, float *m, double *sq,
+                        int64_t P) {
+  const float mx = v->ops->adam_momentum(grad, dt, base, codes, v->q, 0.5f, 0.9f, 0.1f, P, m,
+                                         sq, packed);
+  const gefen_sink k = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = param, .out_dtype = dt,
+                        .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-3f,
+                        .packed = packed};
+  v->ops->requantize_apply(v->q, m, mx, P, codes, &k);
+  return mx;
+}
+
+/* Stage s of version v over the blocks of b (the state it changes, codes and
+ * parameters, carries over from one call to the next, as in a run of steps). */
+static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P) {
+  const gefen_block_ops *ops = v->ops;
+  const gefen_quantizer *q = v->q;
+  for (int64_t base = 0; base < n; base += P) {
+    uint8_t *c = b->codes + base;
+    double sq = 0.0;
+    float mx = 0.0f;
+    switch (s) {
+      case 0:
+        mx = block_step(v, b->g, GEFEN_F32, b->p, 0, c, base, b->m, &sq, P);
+        break;
+      case 1:
+        mx = block_step(v, b->g16, GEFEN_BF16, b->p16, 1, c, base, b->m, &sq, P);
+        break;
+      case 2:
+        mx = block_step(v, b->h16, GEFEN_F16, b->ph16, 0, c, base, b->m, &sq, P);
+        break;
+      case 3: { /* momentum (no sum of squares) and the factored fused pass */
+        mx = ops->adam_momentum(b->g, GEFEN_F32, base, c, q, 0.5f, 0.9f, 0.1f, P, b->m, NULL, 0);
+        const gefen_sink k = {.kind = GEFEN_SINK_ADAM_FACTORED, .out = b->p,
+                              .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = b->scol,
+                              .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f};
+        ops->requantize_apply(q, b->m, mx, P, c, &k);
+        break;
+      }
+      case 4: {
+        mx = ops->muon_momentum(b->g, GEFEN_F32, base, c, q, 0.5f, 0.05f, P, b->m);
+        const gefen_sink k = {.kind = GEFEN_SINK_MUON, .out = b->out, .out_dtype = GEFEN_BF16,
+                              .grad = b->g, .dtype = GEFEN_F32, .base = base, .beta = 0.95f,
+                              .one_minus_beta = 0.05f, .nesterov = 1};
+        ops->requantize_apply(q, b->m, mx, P, c, &k);
+        break;
+      }
+      case 5: /* m = the block's gradient, requantised into the codes */
+        memcpy(b->m, b->g + base, (size_t)P * 4);
+        mx = b->gmax[base / P];
+        ops->requantize(q, b->m, mx, P, c);
+        break;
+      default:
+        mx = ops->adam_momentum(b->g, GEFEN_F32, base, c, q, 0.5f, 0.9f, 0.1f, P, b->m, &sq, 0);
+        break;
+    }
+    b->mx[s] = fmaxf(b->mx[s], mx);
+    b->sq[s] += sq;
+  }
+}
+
+/* Stage s once with each version on identical inputs: 0 when every output agrees
+ * bit for bit. */
+static int same_outputs(const version *a, const version *b, int s, int64_t n, int64_t P) {
+  buffers x, y;
+  buffers_init(&x, n, P);
+  buffers_init(&y, n, P);
+  run_stage(a, &x, s, n, P);
+  run_stage(b, &y, s, n, P);
+  const char *what = NULL;
+  if (memcmp(x.codes, y.codes, (size_t)n)) what = "codes";
+  /* m is an output of the requantisation and of the momentum alone; after a fused
+   * pass it is scratch (and in the packed order where a table keeps bfloat16 so) */
+  else if (s >= 5 && memcmp(x.m, y.m, (size_t)P * 4)) what = "m of the last block";
+  else if (memcmp(x.p, y.p, (size_t)n * 4)) what = "fp32 parameters";
+  else if (memcmp(x.p16, y.p16, (size_t)n * 2)) what = "bf16 parameters";
+  else if (memcmp(x.ph16, y.ph16, (size_t)n * 2)) what = "fp16 parameters";
+  else if (memcmp(x.out, y.out, (size_t)n * 2)) what = "Muon output";
+  else if (memcmp(&x.mx[s], &y.mx[s], sizeof x.mx[s])) what = "max|m|";
+  else if (memcmp(&x.sq[s], &y.sq[s], sizeof x.sq[s])) what = "sum of g^2";
+  if (what) fprintf(stderr, "kernel_ab: %s: %s differs between %s and %s\n", stage_names[s],
+                    what, a->spec, b->spec);
+  buffers_free(&x);
+  buffers_free(&y);
+  return what != NULL;
+}
+
+/* "table[+keys|-keys]" -> the table and a quantiser with the key search as asked. */
+static int parse_version(const char *spec, const float *cb, version *v) {
+  static const struct {
+    const char *name;
+    const gefen_block_ops *(*get)(void);
+  } tables[] = {{"avx512bf16", gefen_block_ops_avx512bf16},
+                {"avx512vbmi", gefen_block_ops_avx512vbmi},
+                {"avx512", gefen_block_ops_avx512},
+                {"avx2", gefen_block_ops_avx2}};
+  char name[32];
+  const char *sign = strpbrk(spec, "+-");
+  const size_t len = sign ? (size_t)(sign - spec) : strlen(spec);
+  if (len == 0 || len >= sizeof name) goto bad;
+  memcpy(name, spec, len);
+  name[len] = '\0';
+  int keys = -1; /* the CPU's default */
+  if (sign) {
+    if (!strcmp(sign, "+keys")) keys = 1;
+    else if (!strcmp(sign, "-keys")) keys = 0;
+    else goto bad;
+  }
+  v->spec = spec;
+  v->ops = NULL;
+  if (!strcmp(name, "portable")) {
+    v->ops = &gefen_block_ops_scalar;
+  } else {
+    size_t i = 0;
+    for (; i < sizeof tables / sizeof tables[0]; i++)
+      if (!strcmp(name, tables[i].name)) break;
+    if (i == sizeof tables / sizeof tables[0]) goto bad;
+    v->ops = tables[i].get();
+    if (!v->ops) {
+      fprintf(stderr, "kernel_ab: this CPU (or this build) has no %s table\n", name);
+      return 2;
+    }
+  }
+  gefen_error err;
+  if (gefen_quantizer_create(cb, &v->q, &err) != GEFEN_OK) {
+    fprintf(stderr, "kernel_ab: %s\n", err.msg);
+    return 2;
+  }
+  if (keys == 1 && !v->q->search.key_ok) {
+    fprintf(stderr, "kernel_ab: this codebook does not allow the key search\n");
+    return 2;
+  }
+  if (keys >= 0) v->q->search.key_search = keys && v->q->search.key_ok;
+  return 0;
+bad:
+  fprintf(stderr,
+          "kernel_ab: %s: a version is avx512bf16, avx512vbmi, avx512, avx2 or portable, "
+          "optionally followed by +keys or -keys\n",
+          spec);
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: kernel_ab A B [period] [blocks] [repetitions]\n");
+    return 2;
+  }
+  const int64_t P = argc > 3 ? atoll(argv[3]) : 2048;
+  const int64_t blocks = argc > 4 ? atoll(argv[4]) : 8;
+  const int reps = argc > 5 ? atoi(argv[5]) : 200;
+  if (P < 1 || blocks < 1 || reps < 1) {
+    fprintf(stderr, "kernel_ab: period, blocks and repetitions must be positive\n");
+    return 2;
+  }
+  const int64_t n = P * blocks;
+  int64_t hist[GEFEN_HIST_BINS];
+  for (int i = 0; i < GEFEN_HIST_BINS; i++)
+    hist[i] = 1 + (int64_t)(1000 * exp(-((i - 2048) / 400.0) * ((i - 2048) / 400.0)));
+  float cb[GEFEN_CODEBOOK_SIZE];
+  gefen_error err;
+  if (gefen_codebook_solve(hist, cb, &err) != GEFEN_OK) {
+    fprintf(stderr, "kernel_ab: %s\n", err.msg);
+    return 2;
+  }
+  version v[2];
+  for (int i = 0; i < 2; i++) {
+    const int st = parse_version(argv[1 + i], cb, &v[i]);
+    if (st) return st;
+  }
+  int differ = 0;
+  for (int s = 0; s < N_STAGES; s++) differ |= same_outputs(&v[0], &v[1], s, n, P);
+  if (differ) return 1;
+  printf("A = %s (key search %s), B = %s (key search %s): outputs identical; "
+         "%lld blocks of %lld, one thread, medians of %d repetitions per side, ABBA\n",
+         v[0].spec, v[0].q->search.key_search ? "on" : "off", v[1].spec,
+         v[1].q->search.key_search ? "on" : "off", (long long)blocks, (long long)P, reps);
+  /* both versions on the same buffers (their outputs agree, so the state they carry
+   * from one repetition to the next is the same), so that neither gains from where
+   * its buffers happen to lie */
+  buffers b;
+  buffers_init(&b, n, P);
+  double *t[2][N_STAGES];
+  for (int i = 0; i < 2; i++)
+    for (int s = 0; s < N_STAGES; s++) t[i][s] = xmalloc(sizeof(double) * (size_t)reps);
+  int taken[2] = {0, 0};
+  for (int r = 0; r < 2 * reps; r++) {
+    const int side = ((r + 1) / 2) % 2; /* A B B A A B B A ... */
+    for (int s = 0; s < N_STAGES; s++) {
+      const double t0 = now();
+      run_stage(&v[side], &b, s, n, P);
+      t[side][s][taken[side]] = now() - t0;
+    }
+    taken[side]++;
+  }
+  const double per = 1e9 / (double)n;
+  printf("%-22s %10s %10s %8s\n", "stage (ns/element)", "A", "B", "B/A-1");
+  for (int s = 0; s < N_STAGES; s++) {
+    const double a = median(t[0][s], reps) * per, bb = median(t[1][s], reps) * per;
+    printf("%-22s %10.3f %10.3f %+7.1f%%\n", stage_names[s], a, bb, 100.0 * (bb / a - 1.0));
+  }
+  buffers_free(&b);
+  for (int i = 0; i < 2; i++) {
+    for (int s = 0; s < N_STAGES; s++) free(t[i][s]);
+    gefen_quantizer_destroy(v[i].q);
+  }
+  return 0;
+}
