@@ -465,8 +465,8 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
 
 /* The codes of g groups (1 or 2) of 4 x 16 values m (element order) in the
  * transposed order of decode64. */
-INLINE void key_codes_t(const gefen_quant_search *s, const key_tables *kt, const int g,
-                        const __m512 *m, __m512i *codes_t) {
+INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
+                        __m512i *codes_t) {
   const __m512 vr = _mm512_set1_ps(kt->r);
   __m512i q[4], j[4];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
@@ -476,7 +476,7 @@ INLINE void key_codes_t(const gefen_quant_search *s, const key_tables *kt, const
   for (int h = 0; h < g; h++) {
     /* the count's code and the threshold above it, both by its reversed bits */
     const __m512i bits_t = _mm512_packus_epi16(j[2 * h], j[2 * h + 1]);
-    const __m512i c_t = lookup_bytes(s->code_of, bits_t);
+    const __m512i c_t = reverse_bits(bits_t);
     __m512 t[4];
     lookup_planes64((const uint8_t(*)[GEFEN_CODEBOOK_SIZE])kt->plane, bits_t, t);
     /* the comparisons as 0/1 in the transposed order, by the packs of codes_t_of */
@@ -612,7 +612,7 @@ INLINE void requantize128_keys(const gefen_quant_search *s, const key_tables *kt
   __m512 u[8];
   __m512i codes_t[2];
   for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
-  key_codes_t(s, kt, 2, u, codes_t);
+  key_codes_t(kt, 2, u, codes_t);
   for (int h = 0; h < 2; h++)
     emit64(s, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0, packed);
 }
@@ -637,7 +637,7 @@ INLINE void requantize64(const gefen_quant_search *s, const float *order,
 #if KEY_SEARCH
   if (mode == BY_KEYS) {
     __m512i codes_t;
-    key_codes_t(s, kt, 1, u, &codes_t);
+    key_codes_t(kt, 1, u, &codes_t);
     emit64(s, codes_t, m, vmx, codes, sk, kind, dt, out_dt, j, km, packed);
     return;
   }

@@ -15,7 +15,7 @@
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #include "block_avx512_common.h"
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16")))
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512bf16,gfni")))
 #define INLINE TARGET static GEFEN_ALWAYS_INLINE
 #define CVT_BF16 1
 

@@ -18,8 +18,9 @@
  * floats. The unpacks work inside 128-bit lanes, so they take the codes in a
  * transposed order (transpose_dwords) and give the floats in order. The
  * search's counts become code bytes in that same order by two packs, and
- * their bits are put back in order by a byte table (code_of). The remaining
- * primitives are block_avx512.c's. */
+ * their bits are put back in order by one GFNI affine transform (reverse_bits;
+ * it replaced a look-up of the byte table code_of, two vpermt2b and a blend:
+ * docs/performance.md). The remaining primitives are block_avx512.c's. */
 
 /* The 64 bytes of x as a 4 x 4 matrix of dwords, transposed: byte 16 * L +
  * 4 * k + i <-> byte 16 * k + 4 * L + i. Its own inverse. */
@@ -35,6 +36,12 @@ INLINE __m512i lookup_bytes(const uint8_t *table, __m512i idx) {
   const __m512i hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(table + 128), idx,
                                               _mm512_loadu_si512(table + 192));
   return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+}
+
+/* The bits of every byte in reverse order (code_of[x] for every byte x): the
+ * GF(2) affine transform whose matrix maps bit i to bit 7 - i. */
+INLINE __m512i reverse_bits(__m512i x) {
+  return _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64((long long)0x8040201008040201ull), 0);
 }
 
 /* A 256-entry float table given as four byte planes (byte b of entry i at
@@ -66,10 +73,10 @@ INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __
 /* The four count vectors (each lane 0..255, bits reversed) as 64 code bytes
  * in the transposed order of decode64: the unsigned-saturating packs
  * interleave 4-lane groups, which is exactly that order. */
-INLINE __m512i codes_t_of(const gefen_quant_search *s, const __m512i bits[4]) {
+INLINE __m512i codes_t_of(const __m512i bits[4]) {
   const __m512i w01 = _mm512_packus_epi32(bits[0], bits[1]);
   const __m512i w23 = _mm512_packus_epi32(bits[2], bits[3]);
-  return lookup_bytes(s->code_of, _mm512_packus_epi16(w01, w23));
+  return reverse_bits(_mm512_packus_epi16(w01, w23));
 }
 
 /* 64 codes given in transposed order stored in element order. */
@@ -78,21 +85,21 @@ INLINE void store_t(__m512i codes_t, uint8_t *codes, __mmask64 km) {
 }
 
 /* The codes of bits[4] stored in element order; returns them transposed. */
-INLINE __m512i store_codes_t(const gefen_quant_search *s, const __m512i bits[4],
-                             uint8_t *codes, __mmask64 km) {
-  const __m512i codes_t = codes_t_of(s, bits);
+INLINE __m512i store_codes_t(const __m512i bits[4], uint8_t *codes, __mmask64 km) {
+  const __m512i codes_t = codes_t_of(bits);
   store_t(codes_t, codes, km);
   return codes_t;
 }
 
 INLINE void store_and_decode64(const gefen_quant_search *s, const __m512i bits[4],
                                uint8_t *codes, __mmask64 km, __m512 out[4]) {
-  decode64(s, store_codes_t(s, bits, codes, km), out);
+  decode64(s, store_codes_t(bits, codes, km), out);
 }
 
 INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], uint8_t *codes,
                           __mmask64 km) {
-  (void)store_codes_t(s, bits, codes, km);
+  (void)s; /* the table's contract (block_avx512_kernels.h); no table needed here */
+  (void)store_codes_t(bits, codes, km);
 }
 
 /* The packed order of bfloat16 Adam steps (block_avx512_kernels.h): vector v
@@ -126,7 +133,7 @@ INLINE void store_and_decode64_packed_t(const gefen_quant_search *s, __m512i cod
 
 INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i bits[4],
                                       uint8_t *codes, __m512 out[4]) {
-  store_and_decode64_packed_t(s, codes_t_of(s, bits), codes, out);
+  store_and_decode64_packed_t(s, codes_t_of(bits), codes, out);
 }
 
 /* The search over 16-bit keys (block_avx512_kernels.h, KEY_SEARCH): it needs
