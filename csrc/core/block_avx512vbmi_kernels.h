@@ -19,7 +19,7 @@
  * transposed order (transpose_dwords) and give the floats in order. The
  * search's counts become code bytes in that same order by two packs, and
  * their bits are put back in order by one GFNI affine transform (reverse_bits;
- * it replaced a look-up of the byte table code_of, two vpermt2b and a blend:
+ * it replaced a look-up of a 256-byte table, two vpermt2b and a blend:
  * docs/performance.md). The remaining primitives are block_avx512.c's. */
 
 /* The 64 bytes of x as a 4 x 4 matrix of dwords, transposed: byte 16 * L +
@@ -38,8 +38,8 @@ INLINE __m512i lookup_bytes(const uint8_t *table, __m512i idx) {
   return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
 }
 
-/* The bits of every byte in reverse order (code_of[x] for every byte x): the
- * GF(2) affine transform whose matrix maps bit i to bit 7 - i. */
+/* The bits of every byte in reverse order (quantizer.c's bit_reverse8 of each
+ * byte): the GF(2) affine transform whose matrix maps bit i to bit 7 - i. */
 INLINE __m512i reverse_bits(__m512i x) {
   return _mm512_gf2p8affine_epi64_epi8(x, _mm512_set1_epi64((long long)0x8040201008040201ull), 0);
 }

@@ -136,12 +136,11 @@ static void build_search(gefen_quant_search *s, const float *c) {
       s->key_ok = 0;
   }
   for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++) {
-    s->code_of[j] = (uint8_t)bit_reverse8(j);
     uint32_t bits;
     memcpy(&bits, &c[j], sizeof bits);
     for (int b = 0; b < 4; b++) s->plane[b][j] = (uint8_t)(bits >> (8 * b));
     s->value_of[j] = c[j];
-    s->value_of_bits[j] = c[s->code_of[j]];
+    s->value_of_bits[j] = c[bit_reverse8(j)];
   }
   s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
 }

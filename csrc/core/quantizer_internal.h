@@ -50,9 +50,9 @@ typedef struct {
    * floats (gefen_cpu_prefers_key_search): what the kernels read. Both give
    * the same codes; a test may set it to either value when key_ok is set. */
   int key_search;
-  uint8_t code_of[GEFEN_CODEBOOK_SIZE]; /* the code from the reversed bits j */
-  /* codebook[code] by code, and by the search's reversed bits j (value of
-   * code_of[j]): sixteen 16-float registers each, for decoding without VBMI */
+  /* codebook[code] by code, and by the search's reversed bits j (the value of
+   * code j with its 8 bits reversed): sixteen 16-float registers each, for
+   * decoding without VBMI */
   float value_of[GEFEN_CODEBOOK_SIZE];
   float value_of_bits[GEFEN_CODEBOOK_SIZE];
   /* byte b of the bits of codebook[i] at plane[b][i]: the codebook as four
