@@ -242,6 +242,8 @@ static int parse_version(const char *spec, const float *cb, version *v) {
   }
   if (keys == 1 && !v->q->search.key_ok) {
     fprintf(stderr, "kernel_ab: this codebook does not allow the key search\n");
+    gefen_quantizer_destroy(v->q);
+    v->q = NULL;
     return 2;
   }
   if (keys >= 0) v->q->search.key_search = keys && v->q->search.key_ok;
@@ -276,14 +278,20 @@ int main(int argc, char **argv) {
     fprintf(stderr, "kernel_ab: %s\n", err.msg);
     return 2;
   }
-  version v[2];
+  version v[2] = {{0}};
   for (int i = 0; i < 2; i++) {
     const int st = parse_version(argv[1 + i], cb, &v[i]);
-    if (st) return st;
+    if (st) {
+      if (i == 1) gefen_quantizer_destroy(v[0].q);
+      return st;
+    }
   }
   int differ = 0;
   for (int s = 0; s < N_STAGES; s++) differ |= same_outputs(&v[0], &v[1], s, n, P);
-  if (differ) return 1;
+  if (differ) {
+    for (int i = 0; i < 2; i++) gefen_quantizer_destroy(v[i].q);
+    return 1;
+  }
   printf("A = %s (key search %s), B = %s (key search %s): outputs identical; "
          "%lld blocks of %lld, one thread, medians of %d repetitions per side, ABBA\n",
          v[0].spec, v[0].q->search.key_search ? "on" : "off", v[1].spec,
