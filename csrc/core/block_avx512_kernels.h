@@ -18,7 +18,8 @@
  * (gefen_quant_search, quantizer_internal.h), found by an 8-level binary
  * search whose thresholds come from registers through vpermps / vpermi2ps.
  * The count is exact for every codebook, so these paths need no exact lookup
- * table. Short blocks divide u = m / mx like the portable code; long blocks
+ * table (that table read by gathers, ALGORITHM.md §10, measured 7-60% slower
+ * even where gathers are fast: docs/performance.md). Short blocks divide u = m / mx like the portable code; long blocks
  * search m itself against the thresholds scaled by mx, which gives the same
  * count (gefen_quant_search explains why) without a division per element.
  * Where the including file has byte look-ups (KEY_SEARCH), blocks of at
