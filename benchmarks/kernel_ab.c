@@ -256,6 +256,11 @@ bad:
   return 2;
 }
 
+/* Both versions' quantisers (NULL where none was made: gefen_quantizer_destroy takes it). */
+static void versions_free(version v[2]) {
+  for (int i = 0; i < 2; i++) gefen_quantizer_destroy(v[i].q);
+}
+
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: kernel_ab A B [period] [blocks] [repetitions]\n");
@@ -282,14 +287,14 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 2; i++) {
     const int st = parse_version(argv[1 + i], cb, &v[i]);
     if (st) {
-      if (i == 1) gefen_quantizer_destroy(v[0].q);
+      versions_free(v);
       return st;
     }
   }
   int differ = 0;
   for (int s = 0; s < N_STAGES; s++) differ |= same_outputs(&v[0], &v[1], s, n, P);
   if (differ) {
-    for (int i = 0; i < 2; i++) gefen_quantizer_destroy(v[i].q);
+    versions_free(v);
     return 1;
   }
   printf("A = %s (key search %s), B = %s (key search %s): outputs identical; "
@@ -321,9 +326,8 @@ int main(int argc, char **argv) {
     printf("%-22s %10.3f %10.3f %+7.1f%%\n", stage_names[s], a, bb, 100.0 * (bb / a - 1.0));
   }
   buffers_free(&b);
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 2; i++)
     for (int s = 0; s < N_STAGES; s++) free(t[i][s]);
-    gefen_quantizer_destroy(v[i].q);
-  }
+  versions_free(v);
   return 0;
 }

@@ -19,9 +19,10 @@
  * search whose thresholds come from registers through vpermps / vpermi2ps.
  * The count is exact for every codebook, so these paths need no exact lookup
  * table (that table read by gathers, ALGORITHM.md §10, measured 7-60% slower
- * even where gathers are fast: docs/performance.md). Short blocks divide u = m / mx like the portable code; long blocks
- * search m itself against the thresholds scaled by mx, which gives the same
- * count (gefen_quant_search explains why) without a division per element.
+ * even where gathers are fast: docs/performance.md). Short blocks divide
+ * u = m / mx like the portable code; long blocks search m itself against the
+ * thresholds scaled by mx, which gives the same count (gefen_quant_search
+ * explains why) without a division per element.
  * Where the including file has byte look-ups (KEY_SEARCH), blocks of at
  * least KEY_MIN_LEN with a codebook whose thresholds are not too close search
  * 16-bit keys of m instead, 32 lanes per vector, and settle the one threshold
