@@ -29,6 +29,7 @@
 
 #include "block_ops.h"
 #include "bench_clock.h"
+#include "bench_codebook.h"
 
 enum { N_STAGES = 12 };
 static const char *stage_names[N_STAGES] = {
@@ -162,17 +163,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
 
 int main(void) {
   const int64_t P = 2048;
-  int64_t hist[GEFEN_HIST_BINS];
-  for (int i = 0; i < GEFEN_HIST_BINS; i++)
-    hist[i] = 1 + (int64_t)(1000 * exp(-((i - 2048) / 400.0) * ((i - 2048) / 400.0)));
-  float cb[GEFEN_CODEBOOK_SIZE];
-  gefen_error err;
-  gefen_quantizer *q = NULL;
-  if (gefen_codebook_solve(hist, cb, &err) != GEFEN_OK ||
-      gefen_quantizer_create(cb, &q, &err) != GEFEN_OK) {
-    fprintf(stderr, "setup failed: %s\n", err.msg);
-    return 1;
-  }
+  gefen_quantizer *q = bench_quantizer(400.0);
+  if (!q) return 1;
   const struct {
     const char *name;
     const gefen_block_ops *ops;

@@ -24,6 +24,7 @@
 #include "block_ops.h" /* the phases of gefen_adam_step one at a time */
 #include "core_internal.h" /* gefen_f32_to_f16 for the fp16 test data */
 #include "bench_clock.h"
+#include "bench_codebook.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -214,17 +215,9 @@ static int time_adam(const param_set *s, const gefen_quantizer *q, int nt, int f
 int main(int argc, char **argv) {
   const int64_t d = argc > 1 ? atoll(argv[1]) : 2048;
   const int steps = argc > 2 ? atoi(argv[2]) : 10;
-  int64_t hist[GEFEN_HIST_BINS];
-  for (int i = 0; i < GEFEN_HIST_BINS; i++)
-    hist[i] = 1 + (int64_t)(1000 * exp(-((i - 2048) / 300.0) * ((i - 2048) / 300.0)));
-  float cb[GEFEN_CODEBOOK_SIZE];
+  gefen_quantizer *q = bench_quantizer(300.0);
+  if (!q) return 1;
   gefen_error err;
-  gefen_quantizer *q = NULL;
-  if (gefen_codebook_solve(hist, cb, &err) != GEFEN_OK ||
-      gefen_quantizer_create(cb, &q, &err) != GEFEN_OK) {
-    fprintf(stderr, "setup failed: %s\n", err.msg);
-    return 1;
-  }
   double *t_a = malloc(sizeof(double) * (size_t)steps), *t_b = malloc(sizeof(double) * (size_t)steps),
          *t_c = malloc(sizeof(double) * (size_t)steps), *t_d = malloc(sizeof(double) * (size_t)steps);
   const char *dtype_list = argc > 3 ? argv[3] : "fp32,bf16";

@@ -204,9 +204,10 @@ def _cc():
 
 @pytest.mark.skipif(_cc() is None, reason="no C compiler")
 def test_c_benchmarks_build_and_core_step_runs(tmp_path):
-    """core_breakdown.c and core_step.c use the core's internal primitives (block_ops.h),
-    whose signatures change with the kernels: both must still compile and link, and
-    core_step must run a tiny set (d = 64, two steps) through every phase it reports."""
+    """core_breakdown.c, core_step.c, kernel_ab.c and search_ports.c use the core's
+    internal primitives (block_ops.h and the kernels' headers), whose signatures change
+    with the kernels: all four must still compile and link, and core_step must run a
+    tiny set (d = 64, two steps) through every phase it reports."""
     core = sorted(
         os.path.join(ROOT, "csrc", "core", f)
         for f in os.listdir(os.path.join(ROOT, "csrc", "core")) if f.endswith(".c")
@@ -217,7 +218,7 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
                        text=True, timeout=600)  # the core once, for both programs
     assert r.returncode == 0, r.stderr[-3000:]
     objects = sorted(str(f) for f in tmp_path.glob("*.o"))
-    for prog in ("core_breakdown", "core_step", "kernel_ab"):
+    for prog in ("core_breakdown", "core_step", "kernel_ab", "search_ports"):
         r = subprocess.run(
             [_cc(), *flags, os.path.join(BENCH, prog + ".c"), *objects,
              "-o", str(tmp_path / prog), "-lm"], capture_output=True, text=True, timeout=600,
@@ -247,3 +248,13 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "avx3"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "a version is" in r.stderr
+    # search_ports: the search's stages in cycles of port 5 where the VBMI kernels run,
+    # one line saying why not elsewhere
+    r = subprocess.run([str(tmp_path / "search_ports"), "3"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if "nothing to measure" not in r.stdout:
+        assert "one cycle of port 5" in r.stdout
+        for what in ("search, codes stored ", "search, codes stored, values formed",
+                     "decode of stored codes"):
+            assert r.stdout.count(what) == 1, what
