@@ -43,13 +43,6 @@ typedef struct {
 
 /* The prefix differences of segment s..e are formed exactly as the reference
  * forms them, so every cost below is the reference's float64 value. */
-static inline double cost_var(const dp_work *d, int s, int e) {
-  double w = d->W[e] - d->W[s - 1];
-  double s1 = d->S1[e] - d->S1[s - 1];
-  double s2 = d->S2[e] - d->S2[s - 1];
-  return s2 - (s1 * s1) / w;
-}
-
 static inline double cost_first(const dp_work *d, int e) { /* pinned at -1 */
   double w = d->W[e] - d->W[0];
   double s1 = d->S1[e] - d->S1[0];
@@ -152,7 +145,8 @@ static void build_prefix(const int64_t *hist, dp_work *d) {
 }
 
 /* A bound delta on |F - G| for every candidate (s, e) of a middle layer:
- *   F = fl(D[s-1] + cost_var(s, e))   what the reference computes,
+ *   F = fl(D[s-1] + cost(s, e))       what the reference computes (cost = s2 - (s1*s1)/w
+ *                                     of the prefix differences, as window_values forms it),
  *   G = D[s-1] + V(s, e)              V the exact variance of the exact bins,
  * with D the previous layer's float values taken as they are. For a segment
  * the exact sums obey |S1| <= m1, S1^2 / w <= S2 <= m2, |S1| <= w, w >= 1:
