@@ -12,7 +12,7 @@
  * packs + 1 vpermd; the values formed 8 byte permutes (two cycles each) + 8 unpacks.
  *
  *   gcc -std=c11 -O3 -ffp-contract=off -fopenmp -I csrc/core \
- *       benchmarks/search_ports.c csrc/core/\*.c -o search_ports -lm
+ *       benchmarks/search_ports.c csrc/core/[a-z]*.c -o search_ports -lm
  *   ./search_ports [repetitions]     (default 400; the best repetition counts)
  *
  * Prints a line and exits 0 on a CPU without AVX-512 VBMI and GFNI, or where the
