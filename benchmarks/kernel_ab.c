@@ -36,6 +36,7 @@
 #include "block_ops.h"
 #include "quantizer_internal.h" /* key_ok / key_search, to force the key search */
 #include "bench_clock.h"
+#include "bench_codebook.h"
 
 enum { N_STAGES = 7 };
 static const char *stage_names[N_STAGES] = {
@@ -274,15 +275,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   const int64_t n = P * blocks;
-  int64_t hist[GEFEN_HIST_BINS];
-  for (int i = 0; i < GEFEN_HIST_BINS; i++)
-    hist[i] = 1 + (int64_t)(1000 * exp(-((i - 2048) / 400.0) * ((i - 2048) / 400.0)));
   float cb[GEFEN_CODEBOOK_SIZE];
-  gefen_error err;
-  if (gefen_codebook_solve(hist, cb, &err) != GEFEN_OK) {
-    fprintf(stderr, "kernel_ab: %s\n", err.msg);
-    return 2;
-  }
+  if (bench_codebook(400.0, cb) != 0) return 2;
   version v[2] = {{0}};
   for (int i = 0; i < 2; i++) {
     const int st = parse_version(argv[1 + i], cb, &v[i]);

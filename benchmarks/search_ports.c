@@ -21,7 +21,6 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "block_ops.h"
 #include "gefen_core.h"
