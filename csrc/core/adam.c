@@ -235,8 +235,6 @@ static void stats_run(const gefen_block_ops *ops, const gefen_adam_item *items, 
                       const gefen_quantizer *q, int nt, const stats_scratch *s) {
   for (int64_t i = 0; i < n; i++)
     if (!items[i].vmean) memset(items[i].col_stats, 0, (size_t)(items[i].cols + 1) * sizeof(double));
-  const int64_t max_period = s->max_period; /* each thread's slice of mbuf (OpenMP) */
-  (void)max_period;
   if (s->nwork == 0) return;
   float *const mbuf = s->mbuf;
   for (int64_t b = 0, k0 = 0; b < s->nbatch; k0 = s->batch_end[b++]) {
@@ -244,7 +242,7 @@ static void stats_run(const gefen_block_ops *ops, const gefen_adam_item *items, 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (k1 - k0 > 1 && nt > 1)
     for (int64_t k = k0; k < k1; k++) {
 #ifdef _OPENMP
-      float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)max_period : NULL;
+      float *m = mbuf ? mbuf + (size_t)omp_get_thread_num() * (size_t)s->max_period : NULL;
 #else
       float *m = mbuf;
 #endif
@@ -498,13 +496,11 @@ static void update_run(const gefen_block_ops *ops, const gefen_adam_item *items,
     }
   }
   const gefen_work_list *wl = &u->wl;
-  const int64_t max_period = u->max_period; /* each thread's slice of mbuf (OpenMP) */
-  (void)max_period;
   float *const mbuf = u->mbuf;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (wl->count > 1 && nt > 1)
   for (int64_t w = 0; w < wl->count; w++) {
 #ifdef _OPENMP
-    float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)max_period;
+    float *m = mbuf + (size_t)omp_get_thread_num() * (size_t)u->max_period;
 #else
     float *m = mbuf;
 #endif

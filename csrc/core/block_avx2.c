@@ -22,7 +22,6 @@
 #include "kernel_internal.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
 #include <immintrin.h>
 
 #define TARGET __attribute__((target("avx2,f16c")))
@@ -463,18 +462,12 @@ static const gefen_block_ops ops_avx2 = {
     NULL, /* adam_period1: the per-block primitives */
 };
 
-/* F16C (CPUID leaf 1, ECX bit 29), read directly: Clang 16 (at least) refuses
- * __builtin_cpu_supports("f16c") at compile time. */
-static int cpu_has_f16c(void) {
-  unsigned a, b, c, d;
-  return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1u);
-}
-
 static int cpu_has_avx2(void) {
   __builtin_cpu_init();
   /* every CPU with AVX2 has FMA and F16C too; FMA is required only so that
    * this path means the same CPUs everywhere (it is never used) */
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         gefen_cpuid_ecx_bit(1, 29); /* F16C */
 }
 
 const gefen_block_ops *gefen_block_ops_avx2(void) {

@@ -5,8 +5,6 @@
 #include "quantizer_internal.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
-
 #include "block_avx512_common.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,gfni")))
@@ -15,18 +13,13 @@
 
 #include "block_avx512vbmi_kernels.h"
 
-/* GFNI (CPUID leaf 7, ECX bit 8), read directly: older compilers' __builtin_cpu_supports
- * do not know it. Every CPU with VBMI has it but Cannon Lake (and a VM that hides it). */
-static int cpu_has_gfni(void) {
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 8 & 1u);
-}
-
 static int cpu_has_avx512vbmi(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi") && cpu_has_gfni();
+         __builtin_cpu_supports("avx512vbmi") &&
+         gefen_cpuid_ecx_bit(7, 8); /* GFNI: every CPU with VBMI has it but Cannon Lake
+                                       (and a VM that hides it) */
 }
 
 const gefen_block_ops *gefen_block_ops_avx512vbmi(void) {

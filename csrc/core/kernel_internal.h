@@ -10,6 +10,18 @@
 #define GEFEN_ALWAYS_INLINE inline
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+
+/* Bit `bit` of ECX from CPUID leaf `leaf` (sub-leaf 0), for the features that
+ * some compilers' __builtin_cpu_supports does not know: GFNI (older GCC) and
+ * F16C (Clang 16 refuses the name at compile time). */
+static inline int gefen_cpuid_ecx_bit(unsigned leaf, unsigned bit) {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(leaf, 0, &a, &b, &c, &d) && (c >> bit & 1u);
+}
+#endif
+
 /* About this many elements per chunk: large enough to amortise scheduling,
  * small enough to balance threads over a group of parameters. */
 #define GEFEN_CHUNK_ELEMS 32768
