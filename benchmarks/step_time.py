@@ -96,8 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list from fp32,bf16,fp16")
     p.add_argument("--device", default="cpu", help="cpu or cuda (skips cleanly without CUDA)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=3,
-                   help="untimed steps first (gefen learns periods/codebook on step 1)")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="untimed steps first (gefen learns periods/codebook on step 1 and "
+                        "times the two forms of its factored CPU step on steps 3-10; was 3)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--muon-max-params", type=float, default=None,

@@ -16,6 +16,7 @@ from ._items import AdamItem
 from ._layout import as_float, rows_cols
 from ._state import COMMON_KEYS, StateError, as_int, check_keys, check_tensor
 from ._steady import HYPER_FIELDS, SteadyStep, group_hyper
+from ._tuning import FactoredTuner
 from ._views import ParamView, local, make_replicated, make_row_state
 
 __all__ = ["Gefen"]
@@ -24,11 +25,12 @@ __all__ = ["Gefen"]
 #: row-sharded) take the whole step in one ``AdamStep.step()`` call; False sends them
 #: through ``factored_stats()`` then ``update()`` as sharded and CUDA parameters go.
 _WHOLE_CPU_STEP = True
-#: Internal (tests, benchmarks): in that call, factored parameters form their momentum and
-#: codes in the statistics pass (``momentum_in_stats``) instead of reading the gradient
-#: again. The bits are the same; it is off because it is slower on the 2-core machine the
-#: project is measured on (docs/performance.md, "Levers tried").
-_MOMENTUM_IN_STATS = False
+#: Internal (tests, benchmarks): in that call, factored parameters may form their momentum
+#: and codes in the statistics pass (``momentum_in_stats``) instead of reading the gradient
+#: again. The bits are the same; which is faster depends on the machine (docs/performance.md,
+#: "Reading the gradient once"), so by default (None) each optimizer times both on its first
+#: steps and keeps the faster (``gefen._tuning.FactoredTuner``); True or False forces one.
+_MOMENTUM_IN_STATS = None
 
 _CPU = torch.device("cpu")
 
@@ -85,6 +87,12 @@ class Gefen(_QuantizedOptimizer):
             every run, for any number of threads, on one process and sharded (integer or
             fixed-order reductions; the CUDA kernels use no floating-point atomics).
         fused (bool or None): gefen's update is always fused; ``False`` is rejected.
+
+    On the CPU, factored parameters that are not row-sharded can take their step reading
+    the gradient twice or once (the momentum formed in the statistics pass); the bits are
+    the same and which is faster depends on the machine, so the optimizer times both on
+    its first steps (steps 3-10, and again every 1000 steps) and keeps the faster. The
+    choice is logged at DEBUG level on the ``"gefen"`` logger.
     """
 
     KIND = "gefen"
@@ -231,7 +239,7 @@ class Gefen(_QuantizedOptimizer):
                 name=v.name, param=p, grad=v.grad.contiguous(), codes=plan.codes_of(self, v.key, st),
                 magnitude=mag, vmean=vmean, v_row=v_row, v_col=v_col, col_stats=None, row_stats=row_stats,
                 period=st["period"], row_offset=v.row_offset, global_rows=v.rows, step=st["step"] + 1,
-                seed=seed, momentum_in_stats=whole and _MOMENTUM_IN_STATS, **h,
+                seed=seed, momentum_in_stats=whole and _MOMENTUM_IN_STATS is True, **h,
             )
             items.append(item)
             reserved.append(col_key)
@@ -262,11 +270,22 @@ class Gefen(_QuantizedOptimizer):
         # the whole steps (no reduction needed) fail, if at all, before changing anything,
         # as an update does; they come first so that a failure leaves every plan unapplied
         for _device, step, _items in whole:
-            step.step(plan.quantizer, nt)
+            if _MOMENTUM_IN_STATS is None and step.factored:
+                self._factored_tuner().run(step, lambda: step.step(plan.quantizer, nt))
+            else:
+                step.step(plan.quantizer, nt)
         for device, step, _items in steps:
             step.update(plan.quantizer, nt, stream_of(device), self._device_table(plan.quantizer, device))
         for p, pc in copies:
             p.copy_(pc)
+
+    def _factored_tuner(self) -> FactoredTuner:
+        """The timing that chooses how the whole CPU step runs factored parameters
+        (``gefen._tuning``), made on first use."""
+        tuner = self.__dict__.get("_tuner")
+        if tuner is None:
+            tuner = self._tuner = FactoredTuner()
+        return tuner
 
     # ------------------------------------------------------------ steady steps
 

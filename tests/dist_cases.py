@@ -288,6 +288,9 @@ def rank_fails(rank, world, where, kind="gefen"):
             def __init__(self, items):
                 self._plan = _C.AdamStep(items)
 
+            def __getattr__(self, name):  # (factored, momentum_in_stats)
+                return getattr(self._plan, name)
+
             def factored_stats(self, *a):
                 raise RuntimeError("simulated failure in the statistics phase")
 

@@ -170,6 +170,18 @@ def test_muon_momentum_runs_the_step_plan(tmp_path):
     assert row["torch_ms"] > 0 and row["gefen_ms"] > 0
 
 
+def test_factored_plan_compares_the_two_forms_and_the_choice(tmp_path):
+    # three optimizers on one set: forced two-phase, forced momentum-in-statistics, and the
+    # optimizer's own choice, which has finished measuring after the warm-up steps
+    result = _run("factored_plan.py", tmp_path=tmp_path)
+    (row,) = result["results"]
+    assert row["set"] == "1M" and row["dtype"] == "fp32" and row["params"] == 4 * 512 * 512 + 2 * 512
+    assert set(row["median_ms"]) == {"two-phase", "in-stats", "chosen"}
+    assert all(t > 0 for t in row["median_ms"].values())
+    assert row["chosen"] in ("two-phase", "in-stats") and row["bit_identical"] is True
+    assert all(t > 0 for t in row["tuner_medians_ms"].values())
+
+
 def test_checkpoint_benchmark_saves_and_loads_through_dcp(tmp_path):
     result = _run("checkpoint.py", "--optimizers", "adamw,gefen", "--repeats", "1",
                   tmp_path=tmp_path)

@@ -1,6 +1,6 @@
 """The whole-step call of CPU parameters that are not row-sharded (``AdamStep.step()``, with
-and without the factored momentum formed in the statistics pass, ``momentum_in_stats``)
-gives the bits of the two-phase path (``factored_stats()`` then ``update()``, the path of
+and without the factored momentum formed in the statistics pass, ``momentum_in_stats``, and
+switching between the two as the optimizer's timing does) gives the bits of the two-phase path (``factored_stats()`` then ``update()``, the path of
 sharded and CUDA parameters)."""
 
 import pytest
@@ -39,11 +39,21 @@ class _Recording:
         type(self).calls.add(name)
         return getattr(self._plan, name)
 
+    def __setattr__(self, name, value):  # (the optimizer's timing sets momentum_in_stats)
+        if name == "_plan":
+            object.__setattr__(self, name, value)
+        else:
+            type(self).calls.add(name)
+            setattr(self._plan, name, value)
+
 
 def _run(mode, monkeypatch, dtype, steps=6, **opts):
     fused = mode != "two-phase"
     monkeypatch.setattr(gefen_module, "_WHOLE_CPU_STEP", fused)
-    monkeypatch.setattr(gefen_module, "_MOMENTUM_IN_STATS", mode == "momentum-in-stats")
+    # "chosen": the optimizer's own timing (gefen._tuning) alternates the two forms of the
+    # whole step on steps 3-6 (ABBA), so the bits are checked across its switches too
+    monkeypatch.setattr(gefen_module, "_MOMENTUM_IN_STATS",
+                        None if mode == "chosen" else mode == "momentum-in-stats")
     monkeypatch.setattr(gefen_module, "_C", type("C", (), {"AdamStep": _Recording}))
     _Recording.calls = set()
     model = _model(dtype)
@@ -54,7 +64,9 @@ def _run(mode, monkeypatch, dtype, steps=6, **opts):
             p.grad = (torch.randn(p.shape, generator=gen) * (1 + s)).to(dtype)
         opt.step()
     # the path asked for, and only it
-    assert _Recording.calls == ({"step"} if fused else {"factored_stats", "update"})
+    expected = {"factored_stats", "update"} if not fused else \
+        {"step", "factored", "momentum_in_stats"} if mode == "chosen" else {"step"}
+    assert _Recording.calls == expected
     monkeypatch.setattr(gefen_module, "_C", _C)
     params = [p.detach().clone() for p in model.parameters()]
     state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
@@ -73,7 +85,7 @@ def _bits(t):
     dict(codebook_refresh_every=2),
     dict(period="row", stochastic_round=True, codebook_refresh_every=3),
 ], ids=["nearest", "stochastic", "refresh", "row-period"])
-@pytest.mark.parametrize("mode", ["whole", "momentum-in-stats"])
+@pytest.mark.parametrize("mode", ["whole", "momentum-in-stats", "chosen"])
 def test_whole_step_matches_two_phases_bitwise(monkeypatch, dtype, opts, mode):
     params_f, state_f = _run(mode, monkeypatch, dtype, **opts)
     params_p, state_p = _run("two-phase", monkeypatch, dtype, **opts)

@@ -26,6 +26,9 @@ class _FailingUpdate:
     def __init__(self, items):
         self._plan = _C.AdamStep(items)
 
+    def __getattr__(self, name):  # (factored, momentum_in_stats: what the optimizer reads)
+        return getattr(self._plan, name)
+
     def factored_stats(self, *args):
         self._plan.factored_stats(*args)
 

@@ -845,6 +845,40 @@ static PyObject *plan_factored(StepPlan *self, void *closure) {
   return PyBool_FromLong(self->factored);
 }
 
+/* AdamStep.momentum_in_stats: whether the factored items of a CPU plan form
+ * their momentum in the statistics pass of step() (the bits are the same
+ * either way; Gefen chooses by timing, gefen/_tuning.py). Setting it changes
+ * every factored item of the plan. */
+static PyObject *plan_get_in_stats(StepPlan *self, void *closure) {
+  (void)closure;
+  const gefen_adam_item *items = self->items;
+  for (Py_ssize_t i = 0; i < self->n; i++)
+    if (!items[i].vmean && items[i].momentum_in_stats) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
+static int plan_set_in_stats(StepPlan *self, PyObject *value, void *closure) {
+  (void)closure;
+  if (!value) {
+    PyErr_SetString(PyExc_AttributeError, "AdamStep.momentum_in_stats cannot be deleted");
+    return -1;
+  }
+  if (!PyBool_Check(value)) {
+    PyErr_SetString(PyExc_TypeError, "AdamStep.momentum_in_stats must be a bool");
+    return -1;
+  }
+  const int flag = value == Py_True;
+  if (flag && self->n > 0 && self->device.device_type != kDLCPU) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "AdamStep.momentum_in_stats: only CPU plans run step(), which takes it");
+    return -1;
+  }
+  gefen_adam_item *items = self->items;
+  for (Py_ssize_t i = 0; i < self->n; i++)
+    if (!items[i].vmean) items[i].momentum_in_stats = flag;
+  return 0;
+}
+
 #define PLAN_KW(f) (PyCFunction)(void (*)(void))(f), METH_VARARGS | METH_KEYWORDS
 
 static PyMethodDef adam_step_methods[] = {
@@ -884,6 +918,10 @@ static PyMethodDef muon_step_methods[] = {
 static PyGetSetDef adam_step_getset[] = {
     {"size", (getter)plan_len, NULL, "number of items", NULL},
     {"factored", (getter)plan_factored, NULL, "whether some item has the factored form", NULL},
+    {"momentum_in_stats", (getter)plan_get_in_stats, (setter)plan_set_in_stats,
+     "whether step() forms the factored items' momentum and codes in the statistics pass "
+     "(a bool; setting it sets every factored item; True only on CPU plans; the bits are "
+     "the same either way, only the time differs)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyGetSetDef muon_step_getset[] = {
