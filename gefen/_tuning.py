@@ -95,11 +95,11 @@ class FactoredTuner:
                    else "two phases")
         self._since = 0
 
-    def run(self, plan, run_step: Callable[[], None]) -> None:
-        """``run_step()`` (one call of ``plan.step``) with this tuner's flag set on
-        ``plan`` (a CPU ``_C.AdamStep`` with factored items), timed and recorded."""
+    def step(self, plan, quantizer, nthreads: int) -> None:
+        """``plan.step(quantizer, nthreads)`` with this tuner's flag set on ``plan`` (a CPU
+        ``_C.AdamStep`` with factored items), timed and recorded."""
         flag = self.flag()
         plan.momentum_in_stats = flag
         t0 = self.clock()
-        run_step()
+        plan.step(quantizer, nthreads)
         self.record(flag, self.clock() - t0)

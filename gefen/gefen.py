@@ -271,7 +271,7 @@ class Gefen(_QuantizedOptimizer):
         # as an update does; they come first so that a failure leaves every plan unapplied
         for _device, step, _items in whole:
             if _MOMENTUM_IN_STATS is None and step.factored:
-                self._factored_tuner().run(step, lambda: step.step(plan.quantizer, nt))
+                self._factored_tuner().step(step, plan.quantizer, nt)
             else:
                 step.step(plan.quantizer, nt)
         for device, step, _items in steps:
