@@ -25,22 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 import torch  # noqa: E402
+from step_time import DTYPES, build_params  # noqa: E402
 
 import gefen  # noqa: E402
 from gefen._tuning import FactoredTuner  # noqa: E402
 
-WIDTH = {"1M": 512, "16M": 2048, "64M": 4096}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("two-phase", "in-stats", "chosen")
 
 
-def build(d: int, dtype: torch.dtype, kind: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    params = []
-    for shape in [(3 * d, d), (d, d), (d,), (d,)]:
-        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(dtype))
-        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
-        params.append(p)
+def build(size: str, dtype: torch.dtype, kind: str, seed: int):
+    """step_time.py's set (parameters and gradients) and a Gefen on it, its factored
+    step's form fixed ("two-phase", "in-stats") or chosen by its own timing ("chosen")."""
+    params = [p for _name, p in build_params(size, dtype, torch.device("cpu"), seed, only_2d=False)]
     opt = gefen.Gefen(params, lr=1e-4, weight_decay=0.01)
     if kind != "chosen":
         opt._tuner = FactoredTuner(choice=kind == "in-stats")
@@ -48,8 +44,7 @@ def build(d: int, dtype: torch.dtype, kind: str, seed: int):
 
 
 def run(size: str, dtype_name: str, rounds: int, warmup: int) -> dict:
-    d, dtype = WIDTH[size], DTYPES[dtype_name]
-    opts = {k: build(d, dtype, k, seed=1) for k in KINDS}
+    opts = {k: build(size, DTYPES[dtype_name], k, seed=1) for k in KINDS}
     for _ in range(warmup):
         for _params, opt in opts.values():
             opt.step()
