@@ -63,11 +63,15 @@ class FactoredTuner:
         self._n = 0  # measured steps so far (ABBA position)
         self._since = 0  # steps since the choice
 
+    def _asked(self) -> bool:
+        """The form the measurement asks for next (its ABBA position)."""
+        return _ABBA[self._n % len(_ABBA)]
+
     def flag(self) -> bool:
         """The ``momentum_in_stats`` the next whole step should run with."""
         if self.choice is not None:
             return self.choice
-        return False if self._skip > 0 else _ABBA[self._n % len(_ABBA)]
+        return False if self._skip > 0 else self._asked()
 
     def record(self, flag: bool, seconds: float) -> None:
         """The time of one whole step's C call that ran with ``flag``."""
@@ -80,7 +84,7 @@ class FactoredTuner:
         if self._skip > 0:
             self._skip -= 1
             return
-        if flag != _ABBA[self._n % len(_ABBA)]:  # not the step asked for (a test, a switch)
+        if flag != self._asked():  # not the step asked for (a test, a switch)
             return
         self._times[flag].append(seconds)
         self._n += 1
@@ -93,7 +97,6 @@ class FactoredTuner:
                    "pass %.3f ms (medians of %d); chose %s", two_phase * 1e3, fused * 1e3,
                    self.rounds * 2, "the momentum in the statistics pass" if self.choice
                    else "two phases")
-        self._since = 0
 
     def step(self, plan, quantizer, nthreads: int) -> None:
         """``plan.step(quantizer, nthreads)`` with this tuner's flag set on ``plan`` (a CPU
