@@ -110,6 +110,11 @@ def test_plan_flag_sets_the_factored_items_only():
         plan.momentum_in_stats = 1
     with pytest.raises(AttributeError):
         del plan.momentum_in_stats
+    assert plan.momentum_in_stats is False  # the refused settings changed nothing
+    plan.momentum_in_stats = True
+    with pytest.raises(TypeError, match="bool"):
+        plan.momentum_in_stats = 0
+    assert plan.momentum_in_stats is True
     block_only = _C.AdamStep([_item("b", (3, 6), False)])
     block_only.momentum_in_stats = True
     assert block_only.momentum_in_stats is False  # no factored item to take it
