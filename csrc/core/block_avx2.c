@@ -13,11 +13,18 @@
  *  - tails (fewer than 8 elements) go through the portable primitive or the
  *    portable operations on the same lanes.
  *
- * The nearest-code search is the lookup table of quantizer.c: a byte gather
- * for the bucket's candidate k, float gathers for value[k] and value[k + 1],
- * the same |u - v| comparison, and for codebooks with repeated entries one
- * more gather of the code and value at 2 * k + (u > value[k]). A group of 8
- * holding a NaN (u outside [-1, 1]) is left to the portable code. */
+ * The nearest-code search is the lookup table of quantizer.c, read by scalar
+ * loads instead of gathers (a gather of 8 lanes costs about 10 cycles on Zen 3
+ * and more where microcode guards it against Gather Data Sampling): the
+ * bucket's candidate k by one byte load per lane, then the 16-byte row of k
+ * (value[k], value[k + 1], k and the threshold between them) by one load per
+ * lane, the 8 rows transposed into vectors. With distinct entries the code is
+ * k + (u > threshold[k + 1]), the count of gefen_quant_search; with repeated
+ * entries the |u - v| comparison of the table, then gathers of the code and
+ * value at 2 * k + (u > value[k]), and a group of 8 holding a NaN (u outside
+ * [-1, 1]) is left to the portable code. The block goes through in chunks of
+ * two passes (division and buckets, then look-ups), so that the look-ups do
+ * not wait on the division's latency. */
 #include "block_ops.h"
 #include "kernel_internal.h"
 
@@ -80,6 +87,17 @@ INLINE __m256 abs8(__m256 v) {
   return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
 }
 
+/* Prefetches the line of element i of a buffer of esz-byte elements (into L2).
+ * The passes work through blocks in address order and fetch the block after
+ * this one (i = j + len) while working on it, as the AVX-512 kernels do
+ * (gefen_prefetch): the hardware prefetchers alone leave each pass waiting on
+ * memory. A prefetch past the end of a buffer is harmless (no fault). */
+INLINE void prefetch_at(const void *p, size_t esz, int64_t i) {
+  _mm_prefetch((const char *)p + (size_t)i * esz, _MM_HINT_T1);
+}
+
+INLINE size_t esz_of(gefen_dtype dt) { return dt == GEFEN_F32 ? 4 : 2; }
+
 /* The largest lane: all lanes are >= +0 and not NaN, so any order will do. */
 INLINE float max8(__m256 v) {
   float x[8];
@@ -106,13 +124,19 @@ INLINE void add_lanes(__m256d *lo, __m256d *hi, __m256 x) {
 
 /* ------------------------------------------------------------- momentum */
 
+/* C[codes[0..8)]: scalar loads, not a gather (a gather of 8 costs about 10
+ * cycles on Zen 3, and more where microcode guards it). */
+INLINE __m256 decode8(const float *cb, const uint8_t *codes) {
+  return _mm256_setr_ps(cb[codes[0]], cb[codes[1]], cb[codes[2]], cb[codes[3]], cb[codes[4]],
+                        cb[codes[5]], cb[codes[6]], cb[codes[7]]);
+}
+
 /* m = beta1 * (C[code] * mag_old) + (1 - beta1) * g for 8 elements at j. */
 INLINE __m256 adam8(const void *grad, gefen_dtype dt, int64_t base, const uint8_t *codes,
                     const float *cb, int64_t j, __m256 vmag, __m256 vb1, __m256 vomb1,
                     float *m, __m256 *g_out) {
   const __m256 g = load8(grad, dt, base + j);
-  const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
-  const __m256 mo = _mm256_mul_ps(_mm256_i32gather_ps(cb, ci, 4), vmag);
+  const __m256 mo = _mm256_mul_ps(decode8(cb, codes + j), vmag);
   const __m256 v = _mm256_add_ps(_mm256_mul_ps(vb1, mo), _mm256_mul_ps(vomb1, g));
   _mm256_storeu_ps(m + j, v);
   *g_out = g;
@@ -129,6 +153,9 @@ INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
                     _mm256_setzero_pd()};
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) {
+    prefetch_at(grad, esz_of(dt), base + j + len); /* the next block */
+    if (dt == GEFEN_F32) prefetch_at(grad, 4, base + j + len + 8);
+    if (j % 64 == 0) prefetch_at(codes, 1, j + len);
     /* max(a, vmx) keeps vmx when a is NaN: NaN never wins */
     vmx = _mm256_max_ps(adam8(grad, dt, base, codes, cb, j, vmag, vb1, vomb1, m, &g0), vmx);
     vmx = _mm256_max_ps(adam8(grad, dt, base, codes, cb, j + 8, vmag, vb1, vomb1, m, &g1), vmx);
@@ -180,9 +207,10 @@ INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
   __m256 vmx = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
+    if (j % 16 == 0) prefetch_at(grad, esz_of(dt), base + j + len); /* the next block */
+    if (j % 64 == 0) prefetch_at(codes, 1, j + len);
     const __m256 g = load8(grad, dt, base + j);
-    const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
-    const __m256 mo = _mm256_mul_ps(_mm256_i32gather_ps(cb, ci, 4), vmag);
+    const __m256 mo = _mm256_mul_ps(decode8(cb, codes + j), vmag);
     const __m256 v = _mm256_add_ps(mo, _mm256_mul_ps(vomb, _mm256_sub_ps(g, mo)));
     _mm256_storeu_ps(m + j, v);
     vmx = _mm256_max_ps(abs8(v), vmx);
@@ -217,54 +245,148 @@ INLINE __m256i gather_u8(const uint8_t *table, __m256i idx) {
                           _mm256_set1_epi32(0xff));
 }
 
-/* The low bytes of 8 int32 lanes, in order, to dst[0..8). */
+/* The 8 int32 lanes of c, each saturated to 0..255, in order, to dst[0..8). */
 INLINE void store_codes8(uint8_t *dst, __m256i c) {
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(c, pick);
-  _mm_storel_epi64((__m128i *)dst,
-                   _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(w, w));
 }
 
-INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                         uint8_t *codes, const int unique) {
-  const gefen_quant_table *t = &q->table;
+/* The rows of the buckets idx[0..8): the candidates value[k] and value[k + 1]
+ * and k itself, with k = bucket[idx[l]]. Scalar loads rather than gathers (a
+ * gather of 8 costs about 10 cycles on Zen 3, more where microcode guards it):
+ * a lane's bucket entry, then its 16-byte row, the 8 rows transposed. */
+INLINE void lookup8(const gefen_quantizer *q, const int32_t *idx, __m256 *v0, __m256 *v1,
+                    __m256i *k, __m256 *thr) {
+  const uint8_t *bucket = q->table.bucket;
+#define ROW(l) _mm_load_ps(q->row[bucket[idx[l]]])
+  const __m256 a0 = _mm256_insertf128_ps(_mm256_castps128_ps256(ROW(0)), ROW(4), 1);
+  const __m256 a1 = _mm256_insertf128_ps(_mm256_castps128_ps256(ROW(1)), ROW(5), 1);
+  const __m256 a2 = _mm256_insertf128_ps(_mm256_castps128_ps256(ROW(2)), ROW(6), 1);
+  const __m256 a3 = _mm256_insertf128_ps(_mm256_castps128_ps256(ROW(3)), ROW(7), 1);
+#undef ROW
+  const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+  const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+  *v0 = _mm256_shuffle_ps(t0, t2, 0x44);
+  *v1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  *k = _mm256_castps_si256(_mm256_shuffle_ps(t1, t3, 0x44));
+  if (thr) *thr = _mm256_shuffle_ps(t1, t3, 0xee);
+}
+
+/* The nearest codes of the 8 values u at m whose buckets are at idx, and
+ * codebook[code] in *val (NaN only with distinct entries). */
+INLINE __m256i nearest8(const gefen_quantizer *q, const float *m, const int32_t *idx,
+                        const int unique, __m256 *val_out) {
+  const __m256 u = _mm256_loadu_ps(m);
+  __m256 v0, v1;
+  __m256i k;
+  if (unique) {
+    /* code k + 1 exactly when u > threshold[k + 1]; NaN (not excluded here)
+     * goes up too, from row 255 to code 256 (255 as a byte) and value[255] */
+    __m256 thr;
+    lookup8(q, idx, &v0, &v1, &k, &thr);
+    const __m256 up = _mm256_cmp_ps(u, thr, _CMP_NLE_UQ); /* !(u <= thr) */
+    *val_out = _mm256_blendv_ps(v0, v1, up);
+    return _mm256_sub_epi32(k, _mm256_castps_si256(up)); /* all-ones lanes: k + 1 */
+  }
+  lookup8(q, idx, &v0, &v1, &k, NULL);
+  const __m256 d0 = abs8(_mm256_sub_ps(u, v0)), d1 = abs8(_mm256_sub_ps(u, v1));
+  const __m256 up = _mm256_cmp_ps(d0, d1, _CMP_NLE_UQ); /* !(d0 <= d1) */
+  k = _mm256_sub_epi32(k, _mm256_castps_si256(up));   /* all-ones lanes: k + 1 */
+  const __m256 val = _mm256_blendv_ps(v0, v1, up);    /* value[k] */
+  /* repeated entries: first code at or below value[k], last above */
+  const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(u, val, _CMP_GT_OQ));
+  const __m256i sel = _mm256_sub_epi32(_mm256_add_epi32(k, k), above);
+  *val_out = _mm256_i32gather_ps(q->sel_value, sel, 4);
+  return gather_u8(q->sel_code, sel);
+}
+
+/* One group of 8 of requantize_chunk's second pass on its own: the portable
+ * code when it holds a NaN (m is still m then), else as nearest8. */
+INLINE void group_slow(const gefen_quantizer *q, float *m, float mx, uint8_t *codes,
+                       const int unique, const int32_t *idx, uint32_t nan) {
+  if (nan) {
+    gefen_block_ops_scalar.requantize(q, m, mx, 8, codes);
+    return;
+  }
+  __m256 val;
+  const __m256i code = nearest8(q, m, idx, unique, &val);
+  _mm256_storeu_ps(m, _mm256_mul_ps(val, _mm256_set1_ps(mx)));
+  store_codes8(codes, code);
+}
+
+/* The int32 lanes of a then b, each saturated to 0..255, in order, to dst[0..16). */
+INLINE void store_codes16(uint8_t *dst, __m256i a, __m256i b) {
+  /* words a0-3 b0-3 | a4-7 b4-7, then bytes: dwords a0-3 b0-3 (same) | a4-7 b4-7 (same) */
+  const __m256i w = _mm256_packus_epi32(a, b), c = _mm256_packus_epi16(w, w);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5);
+  _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(c, order)));
+}
+
+/* Elements per chunk of the requantisation's two passes (a multiple of 8 and at
+ * most 32 groups, one bit each in a mask). */
+#define CHUNK 256
+
+/* Requantises m[0..n), n <= CHUNK a multiple of 8, in two passes, so that the
+ * table look-ups of one group do not wait on the division of the same group
+ * (one pass per group left the loop bound by that chain's latency):
+ *  1. u = m / mx into m and the bucket of each u into idx; with repeated
+ *     entries a group holding a NaN (u outside [-1, 1]) keeps its m and gets
+ *     its bit in the mask (with distinct entries NaN takes the search);
+ *  2. per group, the rows of the buckets, the nearest code and C[code] * mx,
+ *     or the portable code for the masked groups. */
+INLINE void requantize_chunk(const gefen_quantizer *q, float *m, float mx, int64_t n,
+                             uint8_t *codes, const int unique) {
   const __m256 vmx = _mm256_set1_ps(mx), one = _mm256_set1_ps(1.0f),
                neg_one = _mm256_set1_ps(-1.0f),
                scale = _mm256_set1_ps((float)(GEFEN_LUT_BUCKETS / 2));
   const __m256i last_bucket = _mm256_set1_epi32(GEFEN_LUT_BUCKETS - 1);
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
+  int32_t idx[CHUNK];
+  uint32_t nan_groups = 0;
+  for (int64_t j = 0; j < n; j += 8) {
     const __m256 u = _mm256_div_ps(_mm256_loadu_ps(m + j), vmx);
-    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(u, neg_one, _CMP_GE_OQ),
-                                    _mm256_cmp_ps(u, one, _CMP_LE_OQ));
-    if (_mm256_movemask_ps(in) != 0xff) { /* a NaN: rare, the portable way */
-      gefen_block_ops_scalar.requantize(q, m + j, mx, 8, codes + j);
+    if (!unique) {
+      const __m256 in = _mm256_and_ps(_mm256_cmp_ps(u, neg_one, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(u, one, _CMP_LE_OQ));
+      if (_mm256_movemask_ps(in) != 0xff) { /* a NaN: rare, the portable way */
+        nan_groups |= 1u << (j / 8);
+        continue;
+      }
+    }
+    /* u + 1 >= 0 but for NaN (|m| <= mx), so the truncated bucket is >= 0 and
+     * only the top needs a clamp; NaN truncates to 0x80000000, which the
+     * unsigned clamp takes to the top bucket, in bounds */
+    const __m256i b = _mm256_min_epu32(
+        _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), scale)), last_bucket);
+    _mm256_storeu_si256((__m256i *)(void *)(idx + j), b);
+    _mm256_storeu_ps(m + j, u);
+  }
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    if ((nan_groups >> (j / 8)) & 3u) {
+      group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u);
+      group_slow(q, m + j + 8, mx, codes + j + 8, unique, idx + j + 8,
+                 (nan_groups >> (j / 8 + 1)) & 1u);
       continue;
     }
-    /* u + 1 >= 0, so the truncated bucket is >= 0; only the top needs a clamp */
-    const __m256i b = _mm256_min_epi32(
-        _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_add_ps(u, one), scale)), last_bucket);
-    __m256i k = gather_u8(t->bucket, b);
-    const __m256 v0 = _mm256_i32gather_ps(t->value, k, 4);
-    const __m256 v1 = _mm256_i32gather_ps(t->value + 1, k, 4);
-    const __m256 d0 = abs8(_mm256_sub_ps(u, v0)), d1 = abs8(_mm256_sub_ps(u, v1));
-    const __m256 up = _mm256_cmp_ps(d0, d1, _CMP_NLE_UQ); /* !(d0 <= d1) */
-    k = _mm256_sub_epi32(k, _mm256_castps_si256(up));   /* all-ones lanes: k + 1 */
-    __m256 val = _mm256_blendv_ps(v0, v1, up);          /* value[k] */
-    __m256i code = k;
-    if (!unique) { /* repeated entries: first code at or below value[k], last above */
-      const __m256i above = _mm256_castps_si256(_mm256_cmp_ps(u, val, _CMP_GT_OQ));
-      const __m256i sel = _mm256_sub_epi32(_mm256_add_epi32(k, k), above);
-      code = gather_u8(q->sel_code, sel);
-      val = _mm256_i32gather_ps(q->sel_value, sel, 4);
-    }
-    /* with distinct entries value[k] is codebook[k] and k the code */
-    _mm256_storeu_ps(m + j, _mm256_mul_ps(val, vmx));
-    store_codes8(codes + j, code);
+    __m256 val0, val1;
+    const __m256i code0 = nearest8(q, m + j, idx + j, unique, &val0);
+    const __m256i code1 = nearest8(q, m + j + 8, idx + j + 8, unique, &val1);
+    _mm256_storeu_ps(m + j, _mm256_mul_ps(val0, vmx));
+    _mm256_storeu_ps(m + j + 8, _mm256_mul_ps(val1, vmx));
+    store_codes16(codes + j, code0, code1);
   }
-  if (j < len) gefen_block_ops_scalar.requantize(q, m + j, mx, len - j, codes + j);
+  if (j < n)
+    group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u);
+}
+
+INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                         uint8_t *codes, const int unique) {
+  const int64_t whole = len / 8 * 8;
+  for (int64_t j = 0; j < whole; j += CHUNK) {
+    const int64_t n = whole - j < CHUNK ? whole - j : CHUNK;
+    requantize_chunk(q, m + j, mx, n, codes + j, unique);
+  }
+  if (whole < len) gefen_block_ops_scalar.requantize(q, m + whole, mx, len - whole, codes + whole);
 }
 
 TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
@@ -345,6 +467,7 @@ INLINE void apply_block_t(void *param, const gefen_dtype dt, int64_t base, const
   const __m256 vs = _mm256_set1_ps(s), vdecay = _mm256_set1_ps(decay), vlr = _mm256_set1_ps(lr);
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
+    if (j % 16 == 0 || dt == GEFEN_F32) prefetch_at(param, esz_of(dt), base + j + len);
     const __m256 p = load8(param, dt, base + j);
     const __m256 delta = _mm256_mul_ps(_mm256_loadu_ps(mq + j), vs);
     store8(param, dt, base + j, _mm256_sub_ps(_mm256_mul_ps(p, vdecay), _mm256_mul_ps(vlr, delta)));
@@ -374,6 +497,7 @@ INLINE void apply_factored_t(void *param, const gefen_dtype dt, int64_t base, co
                vlr = _mm256_set1_ps(lr);
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
+    if (j % 16 == 0 || dt == GEFEN_F32) prefetch_at(param, esz_of(dt), base + j + len);
     const __m256 s = _mm256_div_ps(
         vinv, _mm256_add_ps(_mm256_mul_ps(vsrow, _mm256_loadu_ps(scol + j)), veps));
     const __m256 p = load8(param, dt, base + j);

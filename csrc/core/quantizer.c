@@ -158,10 +158,12 @@ gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out
   build_table(&q->table, codebook);
   build_search(&q->search, codebook);
   for (int k = 0; k < GEFEN_CODEBOOK_SIZE; k++) {
-    uint32_t lo, hi;
-    memcpy(&lo, &q->table.value[k], sizeof lo);
-    memcpy(&hi, &q->table.value[k + 1], sizeof hi);
-    q->pair[k] = (uint64_t)lo | ((uint64_t)hi << 32);
+    const int32_t code = k;
+    const int top = k == GEFEN_CODEBOOK_SIZE - 1;
+    q->row[k][0] = q->table.value[k];
+    q->row[k][1] = q->table.value[top ? k : k + 1];
+    memcpy(&q->row[k][2], &code, sizeof code);
+    q->row[k][3] = top ? INFINITY : q->search.threshold[k + 1];
     q->sel_code[2 * k] = q->table.first[k];
     q->sel_code[2 * k + 1] = q->table.last[k];
   }

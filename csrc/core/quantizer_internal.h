@@ -63,9 +63,15 @@ typedef struct {
 struct gefen_quantizer {
   gefen_quant_table table;
   gefen_quant_search search;
-  /* pair[k] = value[k] | value[k + 1] << 32 (as bits): both candidates of a
-   * bucket in one 64-bit gather for the SIMD search */
-  uint64_t pair[GEFEN_CODEBOOK_SIZE];
+  /* row[k] = {value[k], value[k + 1], k (as int32 bits), search.threshold[k +
+   * 1]}: a lookup bucket's two candidates, the code of the lower one and, for
+   * a codebook of distinct entries, the threshold between them, in one 16-byte
+   * load for the AVX2 search (which loads a row per lane and transposes them).
+   * Row 255 holds value[255] twice and +inf: u <= +inf keeps code 255 for
+   * every u but NaN, which takes the code above it (256, saturated to 255 in
+   * the byte) and value[255] (= codebook[255] there), as the reference rule
+   * does for NaN. */
+  _Alignas(16) float row[GEFEN_CODEBOOK_SIZE][4];
   /* The code and the dequantised value of the nearest distinct entry k,
    * interleaved so that the index 2 * k + (u > value[k]) picks them without a
    * data-dependent branch: sel_code[2k] = first[k], sel_code[2k + 1] =
