@@ -98,6 +98,35 @@ INLINE void prefetch_at(const void *p, size_t esz, int64_t i) {
 
 INLINE size_t esz_of(gefen_dtype dt) { return dt == GEFEN_F32 ? 4 : 2; }
 
+/* The Adam sinks' constants as vectors (gefen_sink). */
+typedef struct {
+  __m256 s, inv_bc1, eps, decay, lr;
+} adam_vectors;
+
+INLINE adam_vectors adam_vectors_of(float s, float inv_bc1, float eps, float decay, float lr) {
+  return (adam_vectors){_mm256_set1_ps(s), _mm256_set1_ps(inv_bc1), _mm256_set1_ps(eps),
+                        _mm256_set1_ps(decay), _mm256_set1_ps(lr)};
+}
+
+/* The factored step sizes inv_bc1 / (srow * scol[j] + eps) of 8 elements (c->s is srow). */
+INLINE __m256 factored_s8(const adam_vectors *c, const float *scol) {
+  return _mm256_div_ps(c->inv_bc1, _mm256_add_ps(_mm256_mul_ps(c->s, _mm256_loadu_ps(scol)), c->eps));
+}
+
+/* p = p * decay - lr * (mq * s) for the 8 parameters at i. */
+INLINE void update8(void *param, gefen_dtype dt, int64_t i, __m256 mq, __m256 s,
+                    const adam_vectors *c) {
+  const __m256 p = load8(param, dt, i);
+  store8(param, dt, i, _mm256_sub_ps(_mm256_mul_ps(p, c->decay), _mm256_mul_ps(c->lr, _mm256_mul_ps(mq, s))));
+}
+
+/* An Adam sink's update of the 8 elements at j of its block from their mq. */
+INLINE void sink8(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
+                  const adam_vectors *c, int64_t j, __m256 mq) {
+  const __m256 s = kind == GEFEN_SINK_ADAM_FACTORED ? factored_s8(c, sk->scol + j) : c->s;
+  update8(sk->out, dt, sk->base + j, mq, s, c);
+}
+
 /* The largest lane: all lanes are >= +0 and not NaN, so any order will do. */
 INLINE float max8(__m256 v) {
   float x[8];
@@ -302,15 +331,29 @@ INLINE __m256i nearest8(const gefen_quantizer *q, const float *m, const int32_t 
 
 /* One group of 8 of requantize_chunk's second pass on its own: the portable
  * code when it holds a NaN (m is still m then), else as nearest8. */
+/* Where requantize_chunk sends the 8 values mq of the block's elements at j
+ * (m + j is where they are in the chunk): back into m (GEFEN_SINK_M) or to an
+ * Adam sink. */
+INLINE void emit8(float *m, __m256 mq, const gefen_sink *sk, const gefen_sink_kind kind,
+                  const gefen_dtype dt, const adam_vectors *c, int64_t j) {
+  if (kind == GEFEN_SINK_M)
+    _mm256_storeu_ps(m, mq);
+  else
+    sink8(sk, kind, dt, c, j, mq);
+}
+
 INLINE void group_slow(const gefen_quantizer *q, float *m, float mx, uint8_t *codes,
-                       const int unique, const int32_t *idx, uint32_t nan) {
+                       const int unique, const int32_t *idx, uint32_t nan, const gefen_sink *sk,
+                       const gefen_sink_kind kind, const gefen_dtype dt, const adam_vectors *c,
+                       int64_t j) {
   if (nan) {
     gefen_block_ops_scalar.requantize(q, m, mx, 8, codes);
+    if (kind != GEFEN_SINK_M) sink8(sk, kind, dt, c, j, _mm256_loadu_ps(m));
     return;
   }
   __m256 val;
   const __m256i code = nearest8(q, m, idx, unique, &val);
-  _mm256_storeu_ps(m, _mm256_mul_ps(val, _mm256_set1_ps(mx)));
+  emit8(m, _mm256_mul_ps(val, _mm256_set1_ps(mx)), sk, kind, dt, c, j);
   store_codes8(codes, code);
 }
 
@@ -335,7 +378,9 @@ INLINE void store_codes16(uint8_t *dst, __m256i a, __m256i b) {
  *  2. per group, the rows of the buckets, the nearest code and C[code] * mx,
  *     or the portable code for the masked groups. */
 INLINE void requantize_chunk(const gefen_quantizer *q, float *m, float mx, int64_t n,
-                             uint8_t *codes, const int unique) {
+                             uint8_t *codes, const int unique, const gefen_sink *sk,
+                             const gefen_sink_kind kind, const gefen_dtype dt,
+                             const adam_vectors *c, int64_t off, int64_t len) {
   const __m256 vmx = _mm256_set1_ps(mx), one = _mm256_set1_ps(1.0f),
                neg_one = _mm256_set1_ps(-1.0f),
                scale = _mm256_set1_ps((float)(GEFEN_LUT_BUCKETS / 2));
@@ -362,31 +407,48 @@ INLINE void requantize_chunk(const gefen_quantizer *q, float *m, float mx, int64
   }
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
+    if (kind != GEFEN_SINK_M) prefetch_at(sk->out, esz_of(dt), sk->base + off + j + len);
     if ((nan_groups >> (j / 8)) & 3u) {
-      group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u);
+      group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u, sk,
+                 kind, dt, c, off + j);
       group_slow(q, m + j + 8, mx, codes + j + 8, unique, idx + j + 8,
-                 (nan_groups >> (j / 8 + 1)) & 1u);
+                 (nan_groups >> (j / 8 + 1)) & 1u, sk, kind, dt, c, off + j + 8);
       continue;
     }
     __m256 val0, val1;
     const __m256i code0 = nearest8(q, m + j, idx + j, unique, &val0);
     const __m256i code1 = nearest8(q, m + j + 8, idx + j + 8, unique, &val1);
-    _mm256_storeu_ps(m + j, _mm256_mul_ps(val0, vmx));
-    _mm256_storeu_ps(m + j + 8, _mm256_mul_ps(val1, vmx));
+    emit8(m + j, _mm256_mul_ps(val0, vmx), sk, kind, dt, c, off + j);
+    emit8(m + j + 8, _mm256_mul_ps(val1, vmx), sk, kind, dt, c, off + j + 8);
     store_codes16(codes + j, code0, code1);
   }
   if (j < n)
-    group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u);
+    group_slow(q, m + j, mx, codes + j, unique, idx + j, (nan_groups >> (j / 8)) & 1u, sk, kind,
+               dt, c, off + j);
 }
 
+/* Requantises m[0..len) and sends each mq to the sink (kind GEFEN_SINK_M: into
+ * m; or an Adam sink, whose parameters have dtype dt). */
 INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                         uint8_t *codes, const int unique) {
+                         uint8_t *codes, const int unique, const gefen_sink *sk,
+                         const gefen_sink_kind kind, const gefen_dtype dt) {
+  const adam_vectors c =
+      kind == GEFEN_SINK_M ? adam_vectors_of(0.0f, 0.0f, 0.0f, 0.0f, 0.0f)
+                           : adam_vectors_of(sk->s, sk->inv_bc1, sk->eps, sk->decay, sk->lr);
   const int64_t whole = len / 8 * 8;
   for (int64_t j = 0; j < whole; j += CHUNK) {
     const int64_t n = whole - j < CHUNK ? whole - j : CHUNK;
-    requantize_chunk(q, m + j, mx, n, codes + j, unique);
+    requantize_chunk(q, m + j, mx, n, codes + j, unique, sk, kind, dt, &c, j, len);
   }
-  if (whole < len) gefen_block_ops_scalar.requantize(q, m + whole, mx, len - whole, codes + whole);
+  if (whole < len) {
+    gefen_block_ops_scalar.requantize(q, m + whole, mx, len - whole, codes + whole);
+    if (kind != GEFEN_SINK_M) {
+      gefen_sink tail = *sk;
+      tail.base += whole;
+      if (tail.scol) tail.scol += whole;
+      gefen_sink_apply(&gefen_block_ops_scalar, m + whole, len - whole, &tail);
+    }
+  }
 }
 
 TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
@@ -396,9 +458,9 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
     return;
   }
   if (q->table.n_distinct == GEFEN_CODEBOOK_SIZE)
-    requantize_t(q, m, mx, len, codes, 1);
+    requantize_t(q, m, mx, len, codes, 1, NULL, GEFEN_SINK_M, GEFEN_F32);
   else
-    requantize_t(q, m, mx, len, codes, 0);
+    requantize_t(q, m, mx, len, codes, 0, NULL, GEFEN_SINK_M, GEFEN_F32);
 }
 
 /* ------------------------------------------------------- factored stats */
@@ -464,13 +526,11 @@ TARGET static void row_stats(const void *grad, gefen_dtype dt, int64_t base, int
 
 INLINE void apply_block_t(void *param, const gefen_dtype dt, int64_t base, const float *mq,
                           int64_t len, float s, float decay, float lr) {
-  const __m256 vs = _mm256_set1_ps(s), vdecay = _mm256_set1_ps(decay), vlr = _mm256_set1_ps(lr);
+  const adam_vectors c = adam_vectors_of(s, 0.0f, 0.0f, decay, lr);
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
     if (j % 16 == 0 || dt == GEFEN_F32) prefetch_at(param, esz_of(dt), base + j + len);
-    const __m256 p = load8(param, dt, base + j);
-    const __m256 delta = _mm256_mul_ps(_mm256_loadu_ps(mq + j), vs);
-    store8(param, dt, base + j, _mm256_sub_ps(_mm256_mul_ps(p, vdecay), _mm256_mul_ps(vlr, delta)));
+    update8(param, dt, base + j, _mm256_loadu_ps(mq + j), c.s, &c);
   }
   if (j < len)
     gefen_block_ops_scalar.apply_block(param, dt, base + j, mq + j, len - j, s, decay, lr);
@@ -492,17 +552,11 @@ TARGET static void apply_block(void *param, gefen_dtype dt, int64_t base, const 
 INLINE void apply_factored_t(void *param, const gefen_dtype dt, int64_t base, const float *mq,
                              int64_t len, float srow, const float *scol, float inv_bc1,
                              float eps, float decay, float lr) {
-  const __m256 vsrow = _mm256_set1_ps(srow), vinv = _mm256_set1_ps(inv_bc1),
-               veps = _mm256_set1_ps(eps), vdecay = _mm256_set1_ps(decay),
-               vlr = _mm256_set1_ps(lr);
+  const adam_vectors c = adam_vectors_of(srow, inv_bc1, eps, decay, lr);
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
     if (j % 16 == 0 || dt == GEFEN_F32) prefetch_at(param, esz_of(dt), base + j + len);
-    const __m256 s = _mm256_div_ps(
-        vinv, _mm256_add_ps(_mm256_mul_ps(vsrow, _mm256_loadu_ps(scol + j)), veps));
-    const __m256 p = load8(param, dt, base + j);
-    const __m256 delta = _mm256_mul_ps(_mm256_loadu_ps(mq + j), s);
-    store8(param, dt, base + j, _mm256_sub_ps(_mm256_mul_ps(p, vdecay), _mm256_mul_ps(vlr, delta)));
+    update8(param, dt, base + j, _mm256_loadu_ps(mq + j), factored_s8(&c, scol + j), &c);
   }
   if (j < len)
     gefen_block_ops_scalar.apply_factored(param, dt, base + j, mq + j, len - j, srow, scol + j,
@@ -568,10 +622,45 @@ TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, 
 
 static const gefen_block_ops ops_avx2;
 
-static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
-                             uint8_t *codes, const gefen_sink *sink) {
-  gefen_requantize_apply_with(&ops_avx2, q, m, mx, len, codes, sink);
+/* requantize_t for distinct or repeated entries, an Adam sink of kind K and
+ * parameters of dtype DT. */
+#define ADAM_SINK_CALL(K, DT)                                                  \
+  do {                                                                         \
+    if (unique)                                                                \
+      requantize_t(q, m, mx, len, codes, 1, sink, K, DT);                      \
+    else                                                                       \
+      requantize_t(q, m, mx, len, codes, 0, sink, K, DT);                      \
+  } while (0)
+
+/* The requantisation with an Adam sink in one pass over the block: each
+ * group's mq goes to the parameters as it is formed. Other sinks, and the
+ * blocks requantize leaves to the portable code, as requantize followed by
+ * gefen_sink_apply. */
+TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
+                                    uint8_t *codes, const gefen_sink *sink) {
+  const int adam = sink->kind == GEFEN_SINK_ADAM_BLOCK || sink->kind == GEFEN_SINK_ADAM_FACTORED;
+  if (!adam || sink->out_dtype == GEFEN_F64 || !(mx > 0.0f) || !q->table.exact_lut) {
+    gefen_requantize_apply_with(&ops_avx2, q, m, mx, len, codes, sink);
+    return;
+  }
+  const int unique = q->table.n_distinct == GEFEN_CODEBOOK_SIZE;
+  const int factored = sink->kind == GEFEN_SINK_ADAM_FACTORED;
+  switch (sink->out_dtype) {
+    case GEFEN_BF16:
+      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_BF16);
+      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_BF16);
+      break;
+    case GEFEN_F16:
+      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_F16);
+      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_F16);
+      break;
+    default:
+      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_F32);
+      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_F32);
+      break;
+  }
 }
+#undef ADAM_SINK_CALL
 
 /* the portable decoding (the compiler vectorises its multiply), then the AVX2 apply */
 static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
