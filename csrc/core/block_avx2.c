@@ -662,10 +662,45 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
 }
 #undef ADAM_SINK_CALL
 
-/* the portable decoding (the compiler vectorises its multiply), then the AVX2 apply */
-static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
-                             int64_t len, float *m, const gefen_sink *sink) {
-  gefen_dequantize_apply_with(&ops_avx2, q, codes, mag, len, m, sink);
+/* mq = C[code] * mag of the codes, 8 at a time, to an Adam sink of kind K and
+ * parameters of dtype DT (as the portable decoding followed by the apply). */
+INLINE void dequantize_apply_t(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                               int64_t len, float *m, const gefen_sink *sk,
+                               const gefen_sink_kind kind, const gefen_dtype dt) {
+  const float *cb = q->table.codebook;
+  const adam_vectors c = adam_vectors_of(sk->s, sk->inv_bc1, sk->eps, sk->decay, sk->lr);
+  const __m256 vmag = _mm256_set1_ps(mag);
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    if (j % 16 == 0) prefetch_at(sk->out, esz_of(dt), sk->base + j + len); /* the next block */
+    if (j % 64 == 0) prefetch_at(codes, 1, j + len);
+    sink8(sk, kind, dt, &c, j, _mm256_mul_ps(decode8(cb, codes + j), vmag));
+  }
+  if (j < len) {
+    gefen_sink tail = *sk;
+    tail.base += j;
+    if (tail.scol) tail.scol += j;
+    gefen_dequantize_apply_with(&gefen_block_ops_scalar, q, codes + j, mag, len - j, m + j, &tail);
+  }
+}
+
+/* The decoding with an Adam sink in one pass (the form whose codes the
+ * statistics pass wrote, momentum_in_stats); other sinks through m. */
+TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                                    int64_t len, float *m, const gefen_sink *sink) {
+  const int factored = sink->kind == GEFEN_SINK_ADAM_FACTORED;
+  if (!(factored || sink->kind == GEFEN_SINK_ADAM_BLOCK) || sink->out_dtype == GEFEN_F64) {
+    gefen_dequantize_apply_with(&ops_avx2, q, codes, mag, len, m, sink);
+    return;
+  }
+#define CALL(DT)                                                                          \
+  if (factored)                                                                           \
+    dequantize_apply_t(q, codes, mag, len, m, sink, GEFEN_SINK_ADAM_FACTORED, DT);        \
+  else                                                                                    \
+    dequantize_apply_t(q, codes, mag, len, m, sink, GEFEN_SINK_ADAM_BLOCK, DT);           \
+  return
+  DTYPE_SWITCH(sink->out_dtype, CALL)
+#undef CALL
 }
 
 static const gefen_block_ops ops_avx2 = {
