@@ -57,7 +57,12 @@ def measure(size: str, beta: float, steps: int) -> tuple[int, float, float]:
     opt = gefen.GefenMuon(params, lr=1e-3, momentum=beta)
     for q, g in zip(params, grads):
         q.grad = g
-    opt.step()  # learns periods and the codebook
+    # The setup step learns the periods and the codebook; its Newton-Schulz output is not
+    # used or timed, so it is skipped (on a CPU without AVX512-BF16, torch's bfloat16
+    # matrix products take minutes at 16M: measured on a Zen 3 host, 2026-12-03).
+    opt._newton_schulz = lambda view, x: x
+    opt.step()
+    del opt._newton_schulz
     items = [MuonItem(name=f"w{i}", grad=g, codes=opt.state[q]["codes"],
                       magnitude=opt.state[q]["magnitude"], out=out,
                       period=int(opt.state[q]["period"]), beta=beta, nesterov=True)
