@@ -30,8 +30,11 @@ def _roundtrip(gloo_pools, tmp_path, n, m, kind, layout_save, layout_load, optio
 def _tolerance(kind: str) -> float:
     """How far continued training on M ranks may drift from N ranks': FSDP averages the
     same gradients over another number of ranks (float rounding), and for the Muon family
-    bf16 Newton–Schulz amplifies that."""
-    return 1e-5 if kind == "gefen" else 5e-4
+    bf16 Newton–Schulz amplifies that. How much depends on torch's CPU matrix products:
+    on an AVX2-only Zen 3 host (no AVX512-BF16) the 3-to-1 hybrid-adamw case drifted
+    5.56e-4, the same at 72f57c1 and after, against under 5e-4 on the AVX-512 hosts. A
+    skipped or wrongly restored step moves parameters by about lr (1e-2 here)."""
+    return 1e-5 if kind == "gefen" else 1e-3
 
 
 def _exact_state(res):
