@@ -127,6 +127,14 @@ INLINE void sink8(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_
   update8(sk->out, dt, sk->base + j, mq, s, c);
 }
 
+/* The sink of the elements from j of its block on (for the portable tails). */
+INLINE gefen_sink sink_from(const gefen_sink *sk, int64_t j) {
+  gefen_sink tail = *sk;
+  tail.base += j;
+  if (tail.scol) tail.scol += j;
+  return tail;
+}
+
 /* The largest lane: all lanes are >= +0 and not NaN, so any order will do. */
 INLINE float max8(__m256 v) {
   float x[8];
@@ -280,10 +288,10 @@ INLINE void store_codes8(uint8_t *dst, __m256i c) {
   _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(w, w));
 }
 
-/* The rows of the buckets idx[0..8): the candidates value[k] and value[k + 1]
- * and k itself, with k = bucket[idx[l]]. Scalar loads rather than gathers (a
- * gather of 8 costs about 10 cycles on Zen 3, more where microcode guards it):
- * a lane's bucket entry, then its 16-byte row, the 8 rows transposed. */
+/* The rows (gefen_quantizer.row) of the buckets idx[0..8), k = bucket[idx[l]],
+ * as vectors: the candidates value[k] and value[k + 1], k itself and, when thr
+ * is not NULL, threshold[k + 1]. A lane's bucket entry, then its 16-byte row,
+ * by scalar loads (see the top of this file); the 8 rows transposed. */
 INLINE void lookup8(const gefen_quantizer *q, const int32_t *idx, __m256 *v0, __m256 *v1,
                     __m256i *k, __m256 *thr) {
   const uint8_t *bucket = q->table.bucket;
@@ -329,8 +337,6 @@ INLINE __m256i nearest8(const gefen_quantizer *q, const float *m, const int32_t 
   return gather_u8(q->sel_code, sel);
 }
 
-/* One group of 8 of requantize_chunk's second pass on its own: the portable
- * code when it holds a NaN (m is still m then), else as nearest8. */
 /* Where requantize_chunk sends the 8 values mq of the block's elements at j
  * (m + j is where they are in the chunk): back into m (GEFEN_SINK_M) or to an
  * Adam sink. */
@@ -342,6 +348,8 @@ INLINE void emit8(float *m, __m256 mq, const gefen_sink *sk, const gefen_sink_ki
     sink8(sk, kind, dt, c, j, mq);
 }
 
+/* One group of 8 of requantize_chunk's second pass on its own: the portable
+ * code when it holds a NaN (m is still m then), else as nearest8. */
 INLINE void group_slow(const gefen_quantizer *q, float *m, float mx, uint8_t *codes,
                        const int unique, const int32_t *idx, uint32_t nan, const gefen_sink *sk,
                        const gefen_sink_kind kind, const gefen_dtype dt, const adam_vectors *c,
@@ -443,9 +451,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   if (whole < len) {
     gefen_block_ops_scalar.requantize(q, m + whole, mx, len - whole, codes + whole);
     if (kind != GEFEN_SINK_M) {
-      gefen_sink tail = *sk;
-      tail.base += whole;
-      if (tail.scol) tail.scol += whole;
+      const gefen_sink tail = sink_from(sk, whole);
       gefen_sink_apply(&gefen_block_ops_scalar, m + whole, len - whole, &tail);
     }
   }
@@ -622,45 +628,33 @@ TARGET static void muon_output(void *out, gefen_dtype out_dt, const void *grad, 
 
 static const gefen_block_ops ops_avx2;
 
-/* requantize_t for distinct or repeated entries, an Adam sink of kind K and
- * parameters of dtype DT. */
-#define ADAM_SINK_CALL(K, DT)                                                  \
-  do {                                                                         \
-    if (unique)                                                                \
-      requantize_t(q, m, mx, len, codes, 1, sink, K, DT);                      \
-    else                                                                       \
-      requantize_t(q, m, mx, len, codes, 0, sink, K, DT);                      \
-  } while (0)
-
 /* The requantisation with an Adam sink in one pass over the block: each
  * group's mq goes to the parameters as it is formed. Other sinks, and the
  * blocks requantize leaves to the portable code, as requantize followed by
  * gefen_sink_apply. */
 TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
                                     uint8_t *codes, const gefen_sink *sink) {
-  const int adam = sink->kind == GEFEN_SINK_ADAM_BLOCK || sink->kind == GEFEN_SINK_ADAM_FACTORED;
-  if (!adam || sink->out_dtype == GEFEN_F64 || !(mx > 0.0f) || !q->table.exact_lut) {
+  const int factored = sink->kind == GEFEN_SINK_ADAM_FACTORED;
+  if (!(factored || sink->kind == GEFEN_SINK_ADAM_BLOCK) || sink->out_dtype == GEFEN_F64 ||
+      !(mx > 0.0f) || !q->table.exact_lut) {
     gefen_requantize_apply_with(&ops_avx2, q, m, mx, len, codes, sink);
     return;
   }
   const int unique = q->table.n_distinct == GEFEN_CODEBOOK_SIZE;
-  const int factored = sink->kind == GEFEN_SINK_ADAM_FACTORED;
-  switch (sink->out_dtype) {
-    case GEFEN_BF16:
-      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_BF16);
-      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_BF16);
-      break;
-    case GEFEN_F16:
-      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_F16);
-      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_F16);
-      break;
-    default:
-      if (factored) ADAM_SINK_CALL(GEFEN_SINK_ADAM_FACTORED, GEFEN_F32);
-      else ADAM_SINK_CALL(GEFEN_SINK_ADAM_BLOCK, GEFEN_F32);
-      break;
-  }
+  /* every argument that selects code a constant in its own instance */
+#define CALL(DT)                                                                       \
+  if (factored && unique)                                                              \
+    requantize_t(q, m, mx, len, codes, 1, sink, GEFEN_SINK_ADAM_FACTORED, DT);         \
+  else if (factored)                                                                   \
+    requantize_t(q, m, mx, len, codes, 0, sink, GEFEN_SINK_ADAM_FACTORED, DT);         \
+  else if (unique)                                                                     \
+    requantize_t(q, m, mx, len, codes, 1, sink, GEFEN_SINK_ADAM_BLOCK, DT);            \
+  else                                                                                 \
+    requantize_t(q, m, mx, len, codes, 0, sink, GEFEN_SINK_ADAM_BLOCK, DT);            \
+  return
+  DTYPE_SWITCH(sink->out_dtype, CALL)
+#undef CALL
 }
-#undef ADAM_SINK_CALL
 
 /* mq = C[code] * mag of the codes, 8 at a time, to an Adam sink of kind K and
  * parameters of dtype DT (as the portable decoding followed by the apply). */
@@ -677,9 +671,7 @@ INLINE void dequantize_apply_t(const gefen_quantizer *q, const uint8_t *codes, f
     sink8(sk, kind, dt, &c, j, _mm256_mul_ps(decode8(cb, codes + j), vmag));
   }
   if (j < len) {
-    gefen_sink tail = *sk;
-    tail.base += j;
-    if (tail.scol) tail.scol += j;
+    const gefen_sink tail = sink_from(sk, j);
     gefen_dequantize_apply_with(&gefen_block_ops_scalar, q, codes + j, mag, len - j, m + j, &tail);
   }
 }
