@@ -382,6 +382,42 @@ static void test_simd_blocks(void) {
   }
 }
 
+/* row_stats of every SIMD version against the portable one on rows long
+ * enough for the kernels that take several rows at once only when rows are
+ * long (block_avx2.c: from 8 KiB): 1..5 rows of 2048 + 5 and 4096 + 13
+ * columns, each dtype, with NaN, infinities and subnormals in some rows. */
+static void test_row_stats_long(void) {
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
+  const int n = test_simd_tables(simd, names);
+  const gefen_dtype dts[3] = {GEFEN_F32, GEFEN_BF16, GEFEN_F16};
+  const int64_t colss[2] = {2048 + 5, 4096 + 13};
+  enum { MAXR = 5, MAXC = 4096 + 13 };
+  static float g32[MAXR * MAXC];
+  static uint16_t g16[MAXR * MAXC];
+  static double cs1[MAXC], cs2[MAXC];
+  for (int s = 0; s < n; s++)
+    for (int d = 0; d < 3; d++)
+      for (int ci = 0; ci < 2; ci++)
+        for (int64_t rows = 1; rows <= MAXR; rows++) {
+          const gefen_dtype dt = dts[d];
+          const int64_t cols = colss[ci];
+          void *g = dt == GEFEN_F32 ? (void *)g32 : (void *)g16;
+          fill_grad(g, dt, rows * cols, 0.01f);
+          if (rows % 2 == 0) put_specials(g, dt, rows * cols);
+          double r1[MAXR], r2[MAXR];
+          for (int64_t j = 0; j < cols; j++) cs1[j] = cs2[j] = 0.25 * (double)(j % 7);
+          gefen_block_ops_scalar.row_stats(g, dt, 0, cols, rows, cs1, r1);
+          simd[s]->row_stats(g, dt, 0, cols, rows, cs2, r2);
+          CHECK(memcmp(r1, r2, sizeof(double) * (size_t)rows) == 0,
+                "%s: long rows: row sums differ (dt %d, %lld rows of %lld)", names[s], dt,
+                (long long)rows, (long long)cols);
+          CHECK(memcmp(cs1, cs2, 8 * (size_t)cols) == 0,
+                "%s: long rows: column sums differ (dt %d, %lld rows of %lld)", names[s], dt,
+                (long long)rows, (long long)cols);
+        }
+}
+
 /* requantize_apply of one SIMD version against the portable one, for every
  * sink, dtype and length 1..130 (and some long ones), with special values in
  * m (NaN payloads, infinities, subnormals, +-0, +-mx), all-zero and all-NaN
@@ -816,6 +852,7 @@ int main(void) {
   test_quantizer();
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
+  test_row_stats_long();
   printf("test_kernels: fused requantisation and sinks vs portable\n");
   test_scaled_rule();
   test_requantize_apply();
