@@ -128,6 +128,12 @@ static void free_set(param_set *s) {
   }
 }
 
+/* The dtypes a run can take, by the names its dtype list uses. */
+static const struct {
+  const char *name;
+  gefen_dtype dt;
+} set_dtypes[3] = {{"fp32", GEFEN_F32}, {"bf16", GEFEN_BF16}, {"fp16", GEFEN_F16}};
+
 /* The items of one step; 1-D tensors always take the block form (period 1). */
 static void adam_items(const param_set *s, int factored, int64_t step, gefen_adam_item *it) {
   for (int t = 0; t < N_TENSORS; t++) {
@@ -221,18 +227,14 @@ int main(int argc, char **argv) {
   double *t_a = malloc(sizeof(double) * (size_t)steps), *t_b = malloc(sizeof(double) * (size_t)steps),
          *t_c = malloc(sizeof(double) * (size_t)steps), *t_d = malloc(sizeof(double) * (size_t)steps);
   const char *dtype_list = argc > 3 ? argv[3] : "fp32,bf16";
-  static const struct {
-    const char *name;
-    gefen_dtype dt;
-  } kinds[3] = {{"fp32", GEFEN_F32}, {"bf16", GEFEN_BF16}, {"fp16", GEFEN_F16}};
   for (int di = 0; di < 3; di++) {
-    if (!strstr(dtype_list, kinds[di].name)) continue;
-    const gefen_dtype dt = kinds[di].dt;
+    if (!strstr(dtype_list, set_dtypes[di].name)) continue;
+    const gefen_dtype dt = set_dtypes[di].dt;
     param_set s;
     make_set(&s, d, dt);
     for (int nt = 1; nt <= 2; nt++) {
       printf("d=%lld (%lld parameters) %s, %d thread(s)\n", (long long)d, (long long)s.numel,
-             kinds[di].name, nt);
+             set_dtypes[di].name, nt);
       for (int r = 0; r < steps + 2; r++) {
         double t0 = now();
         floor_pass(&s, nt);

@@ -6,6 +6,7 @@ running them by hand."""
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -270,3 +271,27 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
         for what in ("search, codes stored ", "search, codes stored, values formed",
                      "decode of stored codes"):
             assert r.stdout.count(what) == 1, what
+
+
+@pytest.mark.skipif(_cc() is None, reason="no C compiler")
+def test_step_ab_builds_and_runs():
+    """step_ab.sh builds the AVX2 kernels of a git revision and of the working tree under
+    two names into one program and times whole C phases with each: it must print one line
+    per dtype and phase, or, on a CPU without AVX2, say so and exit with 1."""
+    in_git = shutil.which("git") is not None and subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
+    ).returncode == 0
+    if not in_git:
+        pytest.skip("not a git checkout: step_ab.sh reads a revision's kernels from git")
+    r = subprocess.run(
+        ["bash", os.path.join(BENCH, "step_ab.sh"), "HEAD", "64", "2", "1", "fp32,bf16",
+         "stats,block,factored"], capture_output=True, text=True, timeout=600,
+    )
+    if "this CPU has no AVX2" in r.stderr:
+        assert r.returncode == 1
+        return
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for dtype in ("fp32", "bf16"):
+        for phase in ("block", "factored", "stats"):
+            pattern = rf"d=64 {dtype} {phase} +1 thread\(s\): A +[0-9.]+ ms +B +[0-9.]+ ms +B/A-1"
+            assert len(re.findall(pattern, r.stdout)) == 1, (dtype, phase, r.stdout)
