@@ -491,14 +491,20 @@ INLINE void row8(const void *grad, gefen_dtype dt, int64_t at, __m256d *lo, __m2
  * vectors, what 16 ymm registers leave room for. */
 #define ROWS_AT_ONCE 2
 
-/* Rows go two at a time only from this many bytes on. Rows read two at a time
- * from memory were slower than one after the other when they were short (Zen
- * 3, rows in DRAM, one thread: 2 and 4 KiB rows of bf16 +14% and +19%, 6 KiB
- * +7%), faster when long (8 KiB -3% to -13%, 16 KiB -11% to -29%, 32 KiB
- * -34%): two streams of short rows seem to defeat the hardware prefetchers,
- * which software prefetches did not mend. Short rows' column sums stay in L1
- * anyway. */
-#define PAIRED_ROW_BYTES 8192
+/* Rows go two at a time only from this many bytes on, and then fetch each
+ * row's lines PAIRED_PREFETCH_BYTES ahead (into L2). Two streams of rows left
+ * the hardware prefetchers behind: paired without software prefetches, rows
+ * in DRAM were slower than one after the other when short (Zen 3, one thread:
+ * 2 and 4 KiB rows of bf16 +14% and +19%), faster when long (8 KiB -3% to
+ * -13%, 16 KiB -11% to -29%). With the prefetches (Zen 3, the 16.8M and
+ * 67.1M sets, statistics phase alone, two threads, ABBA), against pairs
+ * without them: 8 KiB rows of fp32 -19% and 16-bit rows of 8 KiB -10 to
+ * -11%, 16 KiB rows of fp32 -14%; against single rows: 4 KiB rows of 16-bit
+ * -4 to -14%, 4 and 6 KiB rows of fp32 -24% (one run of a 4 KiB set in L3
+ * +8%); 2 and 3 KiB rows of bf16 -1 to -2% (not taken). Single rows with the
+ * same prefetches were 4-7% slower (4 KiB rows of bf16). */
+#define PAIRED_ROW_BYTES 4096
+#define PAIRED_PREFETCH_BYTES 32768
 
 /* The statistics of n rows (n <= ROWS_AT_ONCE, a constant) from base, each
  * len long: sums[r] and colsum[0..len) += every row's x, row after row. */
@@ -512,6 +518,9 @@ INLINE void rows_t(const void *grad, const gefen_dtype dt, int64_t base, int64_t
     __m256d c[4];
     for (int a = 0; a < 4; a++) c[a] = _mm256_loadu_pd(colsum + j + 4 * a);
     for (int r = 0; r < n; r++) {
+      if (n == ROWS_AT_ONCE && (dt == GEFEN_F32 || j % 32 == 0)) /* each line once */
+        prefetch_at(grad, esz_of(dt),
+                    base + r * len + j + PAIRED_PREFETCH_BYTES / (int64_t)esz_of(dt));
       row8(grad, dt, base + r * len + j, &acc[r][0], &acc[r][1], &c[0], &c[1]);
       row8(grad, dt, base + r * len + j + 8, &acc[r][2], &acc[r][3], &c[2], &c[3]);
     }
