@@ -498,8 +498,8 @@ INLINE void row8(const void *grad, gefen_dtype dt, int64_t at, __m256d *lo, __m2
  * 2 and 4 KiB rows of bf16 +14% and +19%), faster when long (8 KiB -3% to
  * -13%, 16 KiB -11% to -29%). With the prefetches (Zen 3, the 16.8M and
  * 67.1M sets, statistics phase alone, two threads, ABBA), against pairs
- * without them: 8 KiB rows of fp32 -19% and 16-bit rows of 8 KiB -10 to
- * -11%, 16 KiB rows of fp32 -14%; against single rows: 4 KiB rows of 16-bit
+ * without them: 8 KiB rows of fp32 -18 to -19%, 16-bit rows of 8 KiB -7 to
+ * -10%, 16 KiB rows of fp32 -9 to -14%; against single rows: 4 KiB rows of 16-bit
  * -4 to -14%, 4 and 6 KiB rows of fp32 -24% (one run of a 4 KiB set in L3
  * +8%); 2 and 3 KiB rows of bf16 -1 to -2% (not taken). Single rows with the
  * same prefetches were 4-7% slower (4 KiB rows of bf16). */
