@@ -145,6 +145,38 @@ static void build_search(gefen_quant_search *s, const float *c) {
   s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
 }
 
+/* The coarse rows of ALGORITHM.md §10's table for a width of div lookup
+ * buckets, if every coarse bucket admits one (quantizer_internal.h): 1, or 0
+ * when some bucket's values can have three codes or more.
+ *
+ * Bucket c (of n = GEFEN_LUT_BUCKETS / div) holds the u with
+ * floor(RN(u + 1) * n / 2) = c, the scaling by a power of two being exact;
+ * so RN(u + 1) is in [c / h, (c + 1) / h) with h = n / 2, and u itself in
+ * [c / h - 1 - 2^-20, (c + 1) / h - 1) (rounding moves u + 1 by at most
+ * 2^-24 below 2; the bound is the lookup table's margin), or up to 1 in the
+ * top bucket, which also takes u = 1 and NaN. The code of u is the count of
+ * thresholds below u, non-decreasing; over the bucket it is at least lo =
+ * #{t < the lower bound} and at most hi = #{t < the upper bound} (#{t < 1}
+ * in the top bucket). With hi <= lo + 1 every u of the bucket has code lo or
+ * lo + 1, the latter exactly when u > threshold[lo + 1]: row lo. The top
+ * bucket needs lo >= 254 besides, for NaN to take code 255 and its value. */
+static int build_coarse(gefen_quantizer *q, int div) {
+  const int n = GEFEN_LUT_BUCKETS / div;
+  const double h = n / 2;
+  const float *t = q->search.threshold; /* t[1..255], ascending */
+  int lo = 0, hi = 0;
+  for (int c = 0; c < n; c++) {
+    const double below = (double)c / h - 1.0 - 0x1p-20, above = (double)(c + 1) / h - 1.0;
+    while (lo < GEFEN_CODEBOOK_SIZE - 1 && (double)t[lo + 1] < below) lo++;
+    if (hi < lo) hi = lo;
+    while (hi < GEFEN_CODEBOOK_SIZE - 1 && (double)t[hi + 1] < above) hi++;
+    if (hi > lo + 1) return 0;
+    if (c == n - 1 && lo < GEFEN_CODEBOOK_SIZE - 2) return 0;
+    memcpy(q->crow[c], q->row[lo], sizeof q->crow[c]);
+  }
+  return 1;
+}
+
 gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out,
                                     gefen_error *err) {
   gefen_clear(err);
@@ -169,6 +201,10 @@ gefen_status gefen_quantizer_create(const float *codebook, gefen_quantizer **out
   }
   for (int i = 0; i < 2 * GEFEN_CODEBOOK_SIZE; i++)
     q->sel_value[i] = q->table.codebook[q->sel_code[i]];
+  static const int divs[] = GEFEN_COARSE_DIVS;
+  q->coarse_div = 0;
+  for (size_t i = 0; i < sizeof divs / sizeof divs[0] && !q->coarse_div; i++)
+    if (build_coarse(q, divs[i])) q->coarse_div = divs[i];
   *out = q;
   return GEFEN_OK;
 }

@@ -60,6 +60,14 @@ typedef struct {
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
 } gefen_quant_search;
 
+/* The coarse bucket widths tried (in lookup buckets, widest first) and the
+ * narrowest, which sizes crow: 1024 rows (16 KiB) at 16, 4096 (64 KiB) at 4.
+ * Coarser is faster on Zen 3 (kernel_ab, fp32 block step in cache, against
+ * the two loads: 16 -13%, 8 -12%, 4 -10%, 2 -8%; the 256 KiB table of 1,
+ * one row per lookup bucket, was slower than the two loads for float16). */
+#define GEFEN_COARSE_DIVS {32, 16, 8, 4}
+#define GEFEN_COARSE_DIV_MIN 4
+
 struct gefen_quantizer {
   gefen_quant_table table;
   gefen_quant_search search;
@@ -72,6 +80,16 @@ struct gefen_quantizer {
    * the byte) and value[255] (= codebook[255] there), as the reference rule
    * does for NaN. */
   _Alignas(16) float row[GEFEN_CODEBOOK_SIZE][4];
+  /* The rows by coarse bucket, for the AVX2 search without the byte load of
+   * k: with n = GEFEN_LUT_BUCKETS / coarse_div coarse buckets over [-1, 1],
+   *   c = min((int)((u + 1) * (n / 2)), n - 1)  (NaN: c = n - 1),
+   * crow[c] = row[k] for the k with code(u) in {k, k + 1} for every u of
+   * bucket c, so that code(u) = k + !(u <= threshold[k + 1]) (k >= 254 in the
+   * top bucket, where NaN takes k + 1 = 255 or 256, saturated). coarse_div is
+   * the largest of GEFEN_COARSE_DIVS for which every coarse bucket has such
+   * a k (gefen_quant_coarse_div), 0 for none; the table then is not used. */
+  int32_t coarse_div;
+  _Alignas(16) float crow[GEFEN_LUT_BUCKETS / GEFEN_COARSE_DIV_MIN][4];
   /* The code and the dequantised value of the nearest distinct entry k,
    * interleaved so that the index 2 * k + (u > value[k]) picks them without a
    * data-dependent branch: sel_code[2k] = first[k], sel_code[2k + 1] =
@@ -120,6 +138,18 @@ static inline int gefen_quant_select(const gefen_quantizer *q, float u) {
   k += !(fabsf(u - t->value[k]) <= fabsf(u - t->value[k + 1]));
   /* u is not NaN here, so (u > value[k]) is !(u <= value[k]): last[k] */
   return 2 * k + (u > t->value[k]);
+}
+
+/* The code of u (any float) by the coarse rows (quantizer.coarse_div > 0),
+ * as the AVX2 search computes it, for the tests. */
+static inline uint8_t gefen_quant_coarse(const gefen_quantizer *q, float u) {
+  const int n = GEFEN_LUT_BUCKETS / q->coarse_div;
+  const float x = (u + 1.0f) * (float)(n / 2);
+  const int c = x >= 0.0f && x < (float)(n - 1) ? (int)x : n - 1; /* NaN: the top */
+  int32_t k;
+  memcpy(&k, &q->crow[c][2], sizeof k);
+  const int code = k + !(u <= q->crow[c][3]);
+  return (uint8_t)(code > 255 ? 255 : code);
 }
 
 /* The code of u (any float) as the count of thresholds below it: equal to

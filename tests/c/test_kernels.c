@@ -58,6 +58,25 @@ static void subnormal_codebook(float *c) {
     if (!(c[i] > c[i - 1])) c[i] = nextafterf(c[i - 1], 1.0f);
 }
 
+/* 200 entries one histogram bin (2^-11) apart around 0, the closest a learned
+ * codebook has them. */
+static void one_bin_codebook(float *c) {
+  for (int i = 0; i < 256; i++)
+    c[i] = i < 28 ? -1.0f + (float)i * (1.0f - 100 * 0x1p-11f) / 28.0f
+           : i < 228 ? (float)(i - 128) * 0x1p-11f
+                     : 1.0f - (float)(255 - i) * (1.0f - 100 * 0x1p-11f) / 28.0f;
+}
+
+/* A uniform codebook but for a threshold (192) 2^-24 below 0.5, an edge of
+ * every coarse width: the u at the threshold has u + 1 = 1.5 - 2^-24, which
+ * rounds to the edge, so it falls in the bucket above the threshold, with the
+ * code below it (the tie of its two distances goes to the lower entry). */
+static void edge_threshold_codebook(float *c) {
+  for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+  c[191] = 0.5f - 0x1p-24f - 0x1p-10f;
+  c[192] = 0.5f - 0x1p-24f + 0x1p-10f;
+}
+
 static void probe_values(const float *c, float *out, int *n, int cap) {
   int k = 0;
   for (int i = 0; i < 256 && k + 8 < cap; i++) {
@@ -85,6 +104,35 @@ static void probe_values(const float *c, float *out, int *n, int cap) {
   out[4] = 1e-30f;
   out[5] = -1e-30f;
   *n = k;
+}
+
+/* The coarse rows (quantizer_internal.h), where the codebook has them: the
+ * code of the reference rule at the probes, at every threshold and the float
+ * above it, and at every coarse bucket's edge and the 3 floats on either
+ * side; NaN 255. */
+static void check_coarse_rows(const gefen_quantizer *q, const float *c, const float *u, int n) {
+  if (!q->coarse_div) return;
+  int bad = 0;
+  for (int i = 0; i < n; i++) /* the values a requantisation has: |u| <= 1 */
+    if (fabsf(u[i]) <= 1.0f) bad += gefen_quant_coarse(q, u[i]) != brute_nearest(c, u[i]);
+  for (int k = 1; k < 256; k++) {
+    const float t = q->search.threshold[k], above = nextafterf(t, 2.0f);
+    bad += gefen_quant_coarse(q, t) != brute_nearest(c, t);
+    if (t < 1.0f) bad += gefen_quant_coarse(q, above) != brute_nearest(c, above);
+  }
+  const int buckets = GEFEN_LUT_BUCKETS / q->coarse_div;
+  for (int b = 0; b <= buckets; b++) {
+    const float e = -1.0f + (float)b / (float)(buckets / 2);
+    float lo = e, hi = e;
+    for (int i = 0; i < 4; i++) {
+      if (lo >= -1.0f) bad += gefen_quant_coarse(q, lo) != brute_nearest(c, lo);
+      if (hi <= 1.0f) bad += gefen_quant_coarse(q, hi) != brute_nearest(c, hi);
+      lo = nextafterf(lo, -2.0f);
+      hi = nextafterf(hi, 2.0f);
+    }
+  }
+  CHECK(bad == 0, "coarse rows (%d buckets): %d codes differ from the rule", buckets, bad);
+  CHECK(gefen_quant_coarse(q, NAN) == 255, "coarse rows: NaN must map to 255");
 }
 
 static void test_quantizer_on(const float *c, int expect_exact) {
@@ -138,14 +186,21 @@ static void test_quantizer_on(const float *c, int expect_exact) {
             "count above threshold %d", k);
   }
   CHECK(gefen_quant_count(search, NAN) == 255, "NaN counts 255");
+  check_coarse_rows(q, c, u, n);
 
   /* every SIMD requantisation gives the same codes and values as the portable
-   * (the lookup-table ones only with an exact table) */
+   * (the lookup-table ones only with an exact table); the AVX2 one with the
+   * coarse rows where the codebook has them and without */
   const gefen_block_ops *simd[TEST_SIMD_MAX];
   const char *names[TEST_SIMD_MAX];
   const int ns = test_simd_tables(simd, names);
-  for (int s = 0; s < ns; s++) {
+  const int coarse_div = q->coarse_div;
+  for (int v = 0; v < 2 * ns; v++) {
+    /* each table as built; then AVX2 again without the coarse rows if it had them */
+    const int s = v / 2, coarse = v % 2 == 0;
     if (!expect_exact && simd[s] == gefen_block_ops_avx2()) continue; /* needs the table */
+    if (!coarse && !(coarse_div && simd[s] == gefen_block_ops_avx2())) continue;
+    q->coarse_div = coarse ? coarse_div : 0;
     for (int i = 0; i < n; i++) m1[i] = m2[i] = u[i] * 3.5f;
     m1[n / 2] = m2[n / 2] = NAN;
     for (int len = 1; len <= 40; len++) {
@@ -165,6 +220,7 @@ static void test_quantizer_on(const float *c, int expect_exact) {
     CHECK(memcmp(m1, m2, sizeof(float) * (size_t)n) == 0, "%s: requantize values differ",
           names[s]);
   }
+  q->coarse_div = coarse_div;
   gefen_quantizer_destroy(q);
 }
 
@@ -194,6 +250,52 @@ static void test_quantizer(void) {
   c[0] = -1.0f;
   c[50] = c[49] - 0.1f;
   CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_EVALUE && !q, "unsorted codebook");
+}
+
+/* Which coarse width a codebook gets (quantizer.c, build_coarse): learned
+ * codebooks get one, so the AVX2 path that reads it runs in the tests above;
+ * entries one histogram bin (2^-11) apart, the closest a learned codebook can
+ * have them, get none of the wider ones, which would hold three codes in a
+ * bucket (test_quantizer_on checks that what is built is right); nor does
+ * one whose top bucket holds three codes. */
+static void test_coarse_width(void) {
+  float c[256];
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  for (int trial = 0; trial < 4; trial++) {
+    learned_codebook(c, 3000 + 200 * trial);
+    CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    if (!q) return;
+    CHECK(q->coarse_div >= 8, "learned codebook %d: coarse width %d", trial, q->coarse_div);
+    gefen_quantizer_destroy(q);
+  }
+  one_bin_codebook(c);
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  if (!q) return;
+  CHECK(q->coarse_div <= 4, "entries one bin apart: coarse width %d", q->coarse_div);
+  test_quantizer_on(c, 1);
+  gefen_quantizer_destroy(q);
+  /* a threshold just below a coarse edge: the bucket's lower bound has to
+   * reach below the edge (build_coarse's margin) */
+  edge_threshold_codebook(c);
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  if (!q) return;
+  CHECK(q->search.threshold[192] == 0.5f - 0x1p-24f && (q->search.threshold[192] + 1.0f) == 1.5f,
+        "threshold 192 is %a", q->search.threshold[192]);
+  CHECK(q->coarse_div == 32, "threshold near an edge: coarse width %d", q->coarse_div);
+  test_quantizer_on(c, 1);
+  gefen_quantizer_destroy(q);
+  /* the top three entries 2^-12 apart (as close as the lookup table allows):
+   * the top bucket of every width holds codes 253 to 255, so there are no
+   * coarse rows and the AVX2 search takes the bucket's k */
+  for (int i = 0; i < 256; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+  c[253] = 1.0f - 0x1p-11f;
+  c[254] = 1.0f - 0x1p-12f;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  if (!q) return;
+  CHECK(q->coarse_div == 0, "close top entries: coarse width %d", q->coarse_div);
+  test_quantizer_on(c, 1);
+  gefen_quantizer_destroy(q);
 }
 
 /* ----------------------------------------------------------- SIMD vs scalar */
@@ -552,13 +654,9 @@ static void test_requantize_apply(void) {
   for (int i = 129; i < 256; i++) c[2][i] = (float)(i - 128) / 127.0f;
   for (int i = 0; i < 256; i++) c[3][i] = -1.0f + 2.0f * (float)i / 255.0f; /* not exact */
   for (int i = 100; i < 110; i++) c[3][i] = c[3][100] + (float)(i - 100) * 1e-5f;
-  /* 200 entries one histogram bin (2^-11) apart around 0, the closest a
-   * learned codebook has them: the 16-bit keys of their thresholds are about
-   * 8 apart */
-  for (int i = 0; i < 256; i++)
-    c[5][i] = i < 28 ? -1.0f + (float)i * (1.0f - 100 * 0x1p-11f) / 28.0f
-              : i < 228 ? (float)(i - 128) * 0x1p-11f
-                        : 1.0f - (float)(255 - i) * (1.0f - 100 * 0x1p-11f) / 28.0f;
+  /* entries one histogram bin apart: the 16-bit keys of their thresholds are
+   * about 8 apart */
+  one_bin_codebook(c[5]);
   for (int k = 0; k < 6; k++) {
     gefen_quantizer *q = NULL;
     gefen_error err;
@@ -586,6 +684,13 @@ static void test_requantize_apply(void) {
         if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
           requantize_apply_on(simd[s], names[s], q);
     }
+    /* the AVX2 search without the coarse rows too, where it has them */
+    const int coarse_div = q->coarse_div;
+    q->coarse_div = 0;
+    for (int s = 0; s < n; s++)
+      if (coarse_div && q->table.exact_lut && simd[s] == gefen_block_ops_avx2())
+        requantize_apply_on(simd[s], names[s], q);
+    q->coarse_div = coarse_div;
     gefen_quantizer_destroy(q);
   }
 }
@@ -643,14 +748,17 @@ static void test_scaled_rule(void) {
   printf("  scaled thresholds: %lld comparisons\n", (long long)checked);
 }
 
-/* GEFEN_SLOW=1: the threshold count against the reference rule for every
- * float in [-1, 1] (2^31 values), on a learned and a padded codebook. */
+/* GEFEN_SLOW=1: the threshold count and the coarse rows against the reference
+ * rule for every float in [-1, 1] (2^31 values), on a learned and a padded
+ * codebook, entries one bin apart and a threshold just below a coarse edge. */
 static void test_count_exhaustive(void) {
   const char *slow = getenv("GEFEN_SLOW");
   if (!slow || strcmp(slow, "1") != 0) return;
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 4; k++) {
     float c[256];
-    learned_codebook(c, k == 0 ? 3500 : 40);
+    if (k < 2) learned_codebook(c, k == 0 ? 3500 : 40);
+    else if (k == 2) one_bin_codebook(c);
+    else edge_threshold_codebook(c);
     gefen_quantizer *q = NULL;
     gefen_error err;
     gefen_quantizer_create(c, &q, &err);
@@ -662,12 +770,15 @@ static void test_count_exhaustive(void) {
         const uint32_t bits = (sign << 31) | (uint32_t)b;
         float u;
         memcpy(&u, &bits, 4);
-        bad_part += gefen_quant_count(&q->search, u) != gefen_quantize_reference(c, u);
+        const uint8_t want = gefen_quantize_reference(c, u);
+        bad_part += gefen_quant_count(&q->search, u) != want;
+        if (q->coarse_div) bad_part += gefen_quant_coarse(q, u) != want;
       }
       bad += bad_part;
     }
     CHECK(bad == 0, "exhaustive: %lld floats in [-1, 1] counted wrong", (long long)bad);
-    printf("  exhaustive count, codebook %d: %lld mismatches\n", k, (long long)bad);
+    printf("  exhaustive count and coarse rows (%d), codebook %d: %lld mismatches\n",
+           q->coarse_div, k, (long long)bad);
     gefen_quantizer_destroy(q);
   }
 }
@@ -859,6 +970,7 @@ static void test_validation(void) {
 int main(void) {
   printf("test_kernels: quantizer\n");
   test_quantizer();
+  test_coarse_width();
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
   test_row_stats_long();
