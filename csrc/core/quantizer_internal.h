@@ -63,7 +63,7 @@ typedef struct {
 /* The coarse bucket widths tried (in lookup buckets, widest first) and the
  * narrowest, which sizes crow: 1024 rows (16 KiB) at 16, 4096 (64 KiB) at 4.
  * Coarser is faster on Zen 3 (kernel_ab, fp32 block step in cache, against
- * the two loads: 16 -13%, 8 -12%, 4 -10%, 2 -8%; the 256 KiB table of 1,
+ * the two loads: 32 -16%, 16 -13%, 8 -12%, 4 -10%, 2 -8%; the 256 KiB table of 1,
  * one row per lookup bucket, was slower than the two loads for float16). */
 #define GEFEN_COARSE_DIVS {32, 16, 8, 4}
 #define GEFEN_COARSE_DIV_MIN 4
@@ -87,7 +87,7 @@ struct gefen_quantizer {
    * bucket c, so that code(u) = k + !(u <= threshold[k + 1]) (k >= 254 in the
    * top bucket, where NaN takes k + 1 = 255 or 256, saturated). coarse_div is
    * the largest of GEFEN_COARSE_DIVS for which every coarse bucket has such
-   * a k (gefen_quant_coarse_div), 0 for none; the table then is not used. */
+   * a k (quantizer.c, build_coarse), 0 for none: the table then is not used. */
   int32_t coarse_div;
   _Alignas(16) float crow[GEFEN_LUT_BUCKETS / GEFEN_COARSE_DIV_MIN][4];
   /* The code and the dequantised value of the nearest distinct entry k,
@@ -140,8 +140,8 @@ static inline int gefen_quant_select(const gefen_quantizer *q, float u) {
   return 2 * k + (u > t->value[k]);
 }
 
-/* The code of u (any float) by the coarse rows (quantizer.coarse_div > 0),
- * as the AVX2 search computes it, for the tests. */
+/* The code of u in [-1, 1] or NaN (what a requantisation divides out) by the
+ * coarse rows (coarse_div > 0), as the AVX2 search computes it, for the tests. */
 static inline uint8_t gefen_quant_coarse(const gefen_quantizer *q, float u) {
   const int n = GEFEN_LUT_BUCKETS / q->coarse_div;
   const float x = (u + 1.0f) * (float)(n / 2);
