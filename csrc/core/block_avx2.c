@@ -20,11 +20,11 @@
  * (value[k], value[k + 1], k and the threshold between them) by one load per
  * lane, the 8 rows transposed into vectors. Where the codebook allows it
  * (gefen_quantizer.coarse_div, every learned codebook measured so far) the row
- * comes in one load per lane from a table of rows by coarse bucket (16 KiB at
- * 16 lookup buckets each), without the byte load of k: the fp32 block step
- * 10-13% faster on Zen 3. With distinct entries the code is
- * k + (u > threshold[k + 1]), the count of gefen_quant_search; with repeated
- * entries the |u - v| comparison of the table, then gathers of the code and
+ * comes in one load per lane from a table of rows by coarse bucket (8 to 64
+ * KiB, 32 to 4 lookup buckets a row), without the byte load of k: the fp32
+ * block step about 16% faster in cache on Zen 3. With distinct entries the
+ * code is k + (u > threshold[k + 1]), the count of gefen_quant_search; with
+ * repeated entries the |u - v| comparison of the table, then gathers of the code and
  * value at 2 * k + (u > value[k]), and a group of 8 holding a NaN (u outside
  * [-1, 1]) is left to the portable code. The block goes through in chunks of
  * two passes (division and buckets, then look-ups), so that the look-ups do
@@ -482,22 +482,24 @@ static int search_of(const gefen_quantizer *q) {
   return q->coarse_div > 0 ? SEARCH_COARSE : SEARCH_DISTINCT;
 }
 
+/* Calls CALL(S, A, B) with the search S as a compile-time constant, as
+ * DTYPE_SWITCH does with the dtype. */
+#define SEARCH_SWITCH(search, CALL, A, B)                     \
+  switch (search) {                                           \
+    case SEARCH_COARSE: CALL(SEARCH_COARSE, A, B); break;     \
+    case SEARCH_DISTINCT: CALL(SEARCH_DISTINCT, A, B); break; \
+    default: CALL(SEARCH_REPEATED, A, B);                     \
+  }
+
 TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int64_t len,
                               uint8_t *codes) {
   if (!(mx > 0.0f) || !q->table.exact_lut) { /* u = 0 everywhere, or no table */
     gefen_block_ops_scalar.requantize(q, m, mx, len, codes);
     return;
   }
-  switch (search_of(q)) {
-    case SEARCH_COARSE:
-      requantize_t(q, m, mx, len, codes, SEARCH_COARSE, NULL, GEFEN_SINK_M, GEFEN_F32);
-      break;
-    case SEARCH_DISTINCT:
-      requantize_t(q, m, mx, len, codes, SEARCH_DISTINCT, NULL, GEFEN_SINK_M, GEFEN_F32);
-      break;
-    default:
-      requantize_t(q, m, mx, len, codes, SEARCH_REPEATED, NULL, GEFEN_SINK_M, GEFEN_F32);
-  }
+#define BY_SEARCH(S, K, DT) requantize_t(q, m, mx, len, codes, S, NULL, K, DT)
+  SEARCH_SWITCH(search_of(q), BY_SEARCH, GEFEN_SINK_M, GEFEN_F32)
+#undef BY_SEARCH
 }
 
 /* ------------------------------------------------------- factored stats */
@@ -715,23 +717,17 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
   }
   const int search = search_of(q);
   /* every argument that selects code a constant in its own instance */
-#define KIND(DT, K)                                                                    \
-  if (search == SEARCH_COARSE)                                                         \
-    requantize_t(q, m, mx, len, codes, SEARCH_COARSE, sink, K, DT);                    \
-  else if (search == SEARCH_DISTINCT)                                                  \
-    requantize_t(q, m, mx, len, codes, SEARCH_DISTINCT, sink, K, DT);                  \
-  else                                                                                 \
-    requantize_t(q, m, mx, len, codes, SEARCH_REPEATED, sink, K, DT);
-#define CALL(DT)                                   \
-  if (factored) {                                  \
-    KIND(DT, GEFEN_SINK_ADAM_FACTORED)             \
-  } else {                                         \
-    KIND(DT, GEFEN_SINK_ADAM_BLOCK)                \
-  }                                                \
+#define BY_SEARCH(S, K, DT) requantize_t(q, m, mx, len, codes, S, sink, K, DT)
+#define CALL(DT)                                                        \
+  if (factored) {                                                       \
+    SEARCH_SWITCH(search, BY_SEARCH, GEFEN_SINK_ADAM_FACTORED, DT)      \
+  } else {                                                              \
+    SEARCH_SWITCH(search, BY_SEARCH, GEFEN_SINK_ADAM_BLOCK, DT)         \
+  }                                                                     \
   return
   DTYPE_SWITCH(sink->out_dtype, CALL)
 #undef CALL
-#undef KIND
+#undef BY_SEARCH
 }
 
 /* mq = C[code] * mag of the codes, 8 at a time, to an Adam sink of kind K and
