@@ -29,7 +29,7 @@ import torch
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, param_name
 from ._state import DIGEST_KEYS, StateError, as_int, check_common_state
-from ._views import ParamView, is_dtensor, local, make_replicated, make_row_state, make_view
+from ._views import ParamView, is_dtensor, local, make_replicated, make_row_state, make_view, wrap_local
 
 #: Group header: how many of the group's parameters have state.
 STATE_COUNT = "gefen_state_count"
@@ -100,12 +100,7 @@ def replicated_digests(fields: dict[str, torch.Tensor]) -> torch.Tensor:
 def clone_state_tensor(v: torch.Tensor) -> torch.Tensor:
     """A copy with the same global layout (a DTensor stays a DTensor)."""
     if is_dtensor(v):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            v._local_tensor.clone(), v.device_mesh, v.placements, run_check=False,
-            shape=v.shape, stride=v.stride(),
-        )
+        return wrap_local(v._local_tensor.clone(), v.device_mesh, v.placements, v.shape, v.stride())
     return v.detach().clone()
 
 

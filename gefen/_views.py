@@ -212,23 +212,36 @@ def make_view(key: torch.Tensor, name: str, group: dict, gi: int, i: int,
                      pl.cols, local_rows)
 
 
+def wrap_local(local_tensor: torch.Tensor, mesh, placements, shape=None, stride=None) -> torch.Tensor:
+    """A DTensor around ``local_tensor`` as it is, on the device it is on.
+
+    ``DTensor.from_local`` would copy the local tensor to the mesh's device type: under
+    FSDP2's ``CPUOffloadPolicy`` the mesh is a CUDA mesh while the parameters' shards (and
+    so the optimizer's state) live on the host. FSDP2 wraps its offloaded shards with
+    this same constructor (``_from_local_no_grad``). No autograd, no communication: the
+    caller vouches for the global ``shape`` and ``stride`` (default: the local ones)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    shape = torch.Size(local_tensor.shape if shape is None else shape)
+    stride = tuple(local_tensor.stride() if stride is None else stride)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local_tensor.dtype))
+    return DTensor(local_tensor, spec, requires_grad=False)
+
+
 def make_row_state(view: ParamView, local_state: torch.Tensor, global_shape) -> torch.Tensor:
     """A state tensor that follows the parameter's rows: a DTensor with the parameter's
     mesh and placements when the parameter is one, else the local tensor."""
     if not view.layout.distributed:
         return local_state
-    return DTensor.from_local(
-        local_state, view.layout.mesh, view.layout.placements, run_check=False,
-        shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape),
-    )
+    return wrap_local(local_state, view.layout.mesh, view.layout.placements,
+                      global_shape, _contiguous_stride(global_shape))
 
 
 def make_replicated(view: ParamView, t: torch.Tensor) -> torch.Tensor:
     """A state tensor every rank holds whole (column statistics, the codebook)."""
     if not view.layout.distributed:
         return t
-    placements = (Replicate(),) * view.layout.mesh.ndim
-    return DTensor.from_local(t, view.layout.mesh, placements, run_check=False)
+    return wrap_local(t, view.layout.mesh, (Replicate(),) * view.layout.mesh.ndim)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

@@ -191,6 +191,49 @@ def unsupported_placement(rank, world):
     return None
 
 
+def host_shards_on_an_accelerator_mesh(rank, world, kinds):
+    """FSDP2's CPUOffloadPolicy: the mesh is a CUDA mesh, the shards live on the host.
+    Played on CPU by relabelling a gloo mesh "cuda" once the parameters and gradients
+    exist (the collectives follow the backend, not the label). Every state tensor the
+    optimizer makes (step, state_dict, DCP's prepare_load) must stay beside its shard,
+    where DTensor.from_local would copy it to the label's device (and fail here).
+    The relabelled mesh outlives the case in torch's caches: run it in a pool of its own."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import gefen.dcp
+
+    mesh = make_mesh((world,))
+    shapes = [(5, 4), (16, 12)]
+
+    def model_and_opt(kind):
+        model = torch.nn.Module()
+        for i, p in enumerate(_sharded_params(mesh, shapes, seed=11)):
+            model.register_parameter(f"p{i}", p)
+        return model, build(kind, list(model.parameters()), {})
+
+    def host_devices(tensors) -> list:
+        return sorted({str(t.to_local().device) for t in tensors if isinstance(t, DTensor)})
+
+    runs = {kind: (model_and_opt(kind), model_and_opt(kind)[1]) for kind in kinds}
+    grads = [[distribute_tensor(g, mesh, (Shard(0),)) for g in full_tensors(shapes, seed=400 + step)]
+             for step in range(2)]
+    mesh._device_type = "cuda"  # (a read-only property: its backing field)
+    out = {}
+    for kind, ((model, opt), fresh) in runs.items():
+        for step_grads in grads:
+            for p, g in zip(model.parameters(), step_grads):
+                p.grad = g
+            opt.step()
+        gefen.dcp.prepare_load(fresh, get_optimizer_state_dict(model, opt))
+        out[kind] = {
+            "state": host_devices(v for st in opt.state.values() for v in st.values()),
+            "exported": host_devices(v for st in opt.state_dict()["state"].values() for v in st.values()),
+            "prepared": host_devices(v for st in fresh.state.values() for v in st.values()),
+            "global_step": opt._global_step,
+        }
+    return out
+
+
 # ------------------------------------------------------------ failures
 
 

@@ -8,6 +8,7 @@ The cases themselves live in dist_cases.py (they run inside the spawned ranks).
 
 import dist_cases as D
 import pytest
+from dist_harness import Pool
 
 pytestmark = pytest.mark.distributed
 
@@ -153,6 +154,22 @@ def test_fsdp2_on_gloo_averages_gradients(gloo_pools):
 def test_unsupported_placement_is_refused_at_construction(gloo_pools):
     for msg in gloo_pools(2).run(D.unsupported_placement):
         assert msg is not None and "'w'" in msg and "S(1)" in msg and "not supported" in msg
+
+
+def test_state_stays_beside_host_shards_of_an_accelerator_mesh():
+    # FSDP2 + CPUOffloadPolicy: a CUDA mesh whose shards live on the host (found on an
+    # H200, 2026-12-04: the state was copied to the GPU and the step refused it). The
+    # case relabels a mesh, which torch's caches keep: a pool of its own, closed after
+    pool = Pool(2)
+    try:
+        res = pool.run(D.host_shards_on_an_accelerator_mesh, ("gefen", "muon"))
+    finally:
+        pool.close()
+    for by_kind in res:
+        for kind in ("gefen", "muon"):
+            r = by_kind[kind]
+            assert r["global_step"] == 2, (kind, r)
+            assert r["state"] == r["exported"] == r["prepared"] == ["cpu"], (kind, r)
 
 
 @pytest.mark.parametrize("what", ["order", "option", "grad"])
