@@ -11,6 +11,7 @@ Needs CUDA (FSDP2 pins host memory for offloading). Writes DIR/offload_<world>.j
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
+    faulthandler.enable()  # a crash (SIGSEGV) prints every thread's Python stack
     if not torch.cuda.is_available():
         raise SystemExit("offload_check.py needs a CUDA device: FSDP2's CPUOffloadPolicy pins host memory")
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -70,7 +72,11 @@ def main() -> None:
             losses.append(float(loss))
         return losses
 
+    def phase(what: str) -> None:
+        print(f"[rank {rank}] {what}", flush=True)  # where a crash happened, if one does
+
     for kind in ("adamw", "gefen"):
+        phase(f"training {kind} with offload")
         model, opt = build(kind)
         t0 = time.perf_counter()
         losses = train(model, opt, 0, a.steps)
@@ -111,6 +117,7 @@ def main() -> None:
             "continues": train(model, opt, start, n),
         }
 
+    phase("checkpoint saved with offload, resumed without")
     path = os.path.join(a.out, f"offload_ckpt_{world}")
     model, opt = build("gefen", offload=True)
     train(model, opt, 0, 3)
@@ -118,6 +125,7 @@ def main() -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     model2, opt2, report["offload_to_gpu_checkpoint"] = resume(path, False, saved_state(osd), 3, 2)
 
+    phase("checkpoint saved on the GPU (pinned async), resumed with offload")
     path2 = os.path.join(a.out, f"gpu_ckpt_{world}")
     msd2, osd2 = get_state_dict(model2, opt2)
     stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
