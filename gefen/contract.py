@@ -114,7 +114,10 @@ _TRANSITIONS = (
     Transition("GefenMuon sharded_mode -> any sharded_mode", True,
                "the state is row-sharded like the parameter in every mode", (T + "test_muon_modes_reshard_into_each_other",)),
     Transition("CPU offload on <-> off", True,
-               "the state layout does not depend on the device; needs a GPU to test (FSDP2 pins host memory)",
+               "the state layout does not depend on the device. Run on an H200 (one rank, 2026-12-04): a checkpoint "
+               "saved with offload resumes on the GPU, and one saved on the GPU (`dcp.async_save`, pinned-memory "
+               "stager) resumes with offload, each with the same state. Needs a GPU (FSDP2 pins host memory): "
+               "tools/gpu_check.sh's stage 3.",
                ("tools/gpu_check.sh",)),
     Transition("optimizer kind changes (Gefen <-> GefenMuon)", False, "raises before anything changes",
                (T + "test_checkpoint_of_another_model_or_optimizer", T + "test_bad_state_dict_raises_on_every_rank")),
