@@ -5,14 +5,18 @@ random gradients, for gefen.Gefen (factored, block), torch.optim.AdamW (fused,
 foreach), and the Muon family on the hidden matrices: GefenMuon and torch.optim.Muon
 (whole step), and their momentum stage alone. Bytes moved per step over the measured
 device-to-device copy bandwidth (ALGORITHM.md §9's floor; the formula of step_time.py).
+Fused AdamW and Gefen's block form are also timed on one matrix of the same number of
+elements: the difference, over the number of tensors, is the cost per tensor.
 
   python benchmarks/gpu_step.py                           # needs CUDA
   python benchmarks/gpu_step.py --sizes 124M --dtypes bf16 --json gpu.json
+  python benchmarks/gpu_step.py --quick                   # the script's logic on the CPU (CI)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -26,9 +30,10 @@ import torch  # noqa: E402
 
 #: (layers, width, vocab, ctx) of each size; MLP 4 x width; tied head (GPT-2).
 SIZES = {"124M": (12, 768, 50257, 1024), "350M": (24, 1024, 50257, 1024),
-         "1.3B": (24, 2048, 50257, 2048)}
+         "1.3B": (24, 2048, 50257, 2048), "tiny": (2, 64, 256, 64)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_LIKE = ("adamw-fused", "adamw-foreach", "gefen", "gefen-block")
+ONE_TENSOR = ("adamw-fused", "gefen-block")  # also timed on one matrix of the same size
 
 
 def gpt_shapes(size: str) -> list[tuple[int, ...]]:
@@ -40,10 +45,16 @@ def gpt_shapes(size: str) -> list[tuple[int, ...]]:
     return out + [(d,), (d,)]
 
 
-def params_of(size: str, dtype, device, only_matrices: bool):
+def params_of(size: str, dtype, device, only_matrices: bool, one_tensor: bool = False):
+    """Named parameters of every shape of ``size`` with random gradients (the hidden
+    matrices only, for Muon), or one matrix of the model's width with as many elements."""
     g = torch.Generator(device=device).manual_seed(0)
     named = []
-    for i, s in enumerate(gpt_shapes(size)):
+    shapes = gpt_shapes(size)
+    if one_tensor:
+        width = SIZES[size][1]
+        shapes = [(sum(math.prod(s) for s in shapes) // width, width)]
+    for i, s in enumerate(shapes):
         if only_matrices and (len(s) != 2 or i < 2):  # Muon: hidden matrices only
             continue
         p = torch.nn.Parameter(torch.randn(s, generator=g, device=device, dtype=torch.float32).to(dtype) * 0.02)
@@ -84,10 +95,10 @@ def _median(fn, steps: int, device) -> float:
         fn()
     times = []
     for _ in range(steps):
-        torch.cuda.synchronize(device)
+        ST.sync(device)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device)
+        ST.sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -99,13 +110,21 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--muon-steps", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda",
+                   help="cuda (the benchmark); cpu runs the script's logic, its numbers mean nothing")
+    p.add_argument("--quick", action="store_true",
+                   help="the script's logic on the CPU: size tiny, fp32, 2 steps (CI smoke run)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if a.quick:
+        a.device, a.sizes, a.dtypes, a.steps, a.muon_steps = "cpu", "tiny", "fp32", 2, 1
+    on_cuda = a.device.startswith("cuda")
+    if on_cuda and not torch.cuda.is_available():
         raise SystemExit("gpu_step.py needs a CUDA device (torch.cuda.is_available() is False)")
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device(a.device)
     peak = ST.copy_bandwidth(device)
     C.print_header("optimizer step on the GPU (GPT-2-family shapes)",
-                   {"sizes": a.sizes, "dtypes": a.dtypes, "device": torch.cuda.get_device_name(device),
+                   {"sizes": a.sizes, "dtypes": a.dtypes,
+                    "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
                     "copy bandwidth GB/s": round(peak / 1e9, 1)})
     rows = []
     for size in C.parse_list(a.sizes):
@@ -123,19 +142,32 @@ def main(argv=None):
                              "step_ms": 1e3 * r["median_s"], "bytes_per_step": moved,
                              "fraction_of_copy_bw": moved / r["median_s"] / peak,
                              "state_bytes": r["state_bytes"]})
+            n_tensors = len(named)
             del named
+            one = params_of(size, dtype, device, only_matrices=False, one_tensor=True)
+            for name in ONE_TENSOR:
+                r = ST.time_one(name, one, ta, device)
+                per_tensor = (times[name] - r["median_s"]) / n_tensors
+                rows.append({"size": size, "dtype": dt, "params": sum(q.numel() for _, q in one),
+                             "optimizer": name + "/one-tensor", "step_ms": 1e3 * r["median_s"],
+                             "tensors_in_model": n_tensors, "per_tensor_us": 1e6 * per_tensor})
+                print(f"{size:>5} {dt:>5} {name:<14} one tensor {1e3 * r['median_s']:9.2f} ms: "
+                      f"{1e6 * per_tensor:6.1f} us per tensor of the model's {n_tensors}", flush=True)
+            del one
             matrices = params_of(size, dtype, device, only_matrices=True)
             tm = argparse.Namespace(lr=1e-4, weight_decay=0.01, warmup=1, steps=a.muon_steps)
             for name in ("muon", "gefenmuon"):
                 r = ST.time_one(name, matrices, tm, device)
                 rows.append({"size": size, "dtype": dt, "params": sum(q.numel() for _, q in matrices),
                              "optimizer": name, "step_ms": 1e3 * r["median_s"], "state_bytes": r["state_bytes"]})
-            mom = momentum_stage(matrices, a.steps, device)
-            rows.append({"size": size, "dtype": dt, "optimizer": "momentum-stage",
-                         "torch_muon_ms": 1e3 * mom["torch_s"], "gefenmuon_ms": 1e3 * mom["gefen_s"],
-                         "ratio": mom["gefen_s"] / mom["torch_s"]})
+            mom = momentum_stage(matrices, a.steps, device) if on_cuda else None  # (CUDA streams)
+            if mom is not None:
+                rows.append({"size": size, "dtype": dt, "optimizer": "momentum-stage",
+                             "torch_muon_ms": 1e3 * mom["torch_s"], "gefenmuon_ms": 1e3 * mom["gefen_s"],
+                             "ratio": mom["gefen_s"] / mom["torch_s"]})
             del matrices
-            torch.cuda.empty_cache()
+            if on_cuda:
+                torch.cuda.empty_cache()
             fused = times["adamw-fused"]
             for r in rows:
                 if r.get("size") == size and r.get("dtype") == dt and r["optimizer"] in ADAM_LIKE:
@@ -143,8 +175,10 @@ def main(argv=None):
                     print(f"{size:>5} {dt:>5} {r['optimizer']:<14} {r['step_ms']:9.2f} ms  "
                           f"{r['ratio_to_fused_adamw']:5.2f}x fused AdamW  "
                           f"{100 * r['fraction_of_copy_bw']:5.1f}% of copy bandwidth")
-            print(f"{size:>5} {dt:>5} momentum stage: torch Muon {rows[-1]['torch_muon_ms']:.2f} ms, "
-                  f"GefenMuon {rows[-1]['gefenmuon_ms']:.2f} ms ({rows[-1]['ratio']:.2f}x)", flush=True)
+            if mom is not None:
+                print(f"{size:>5} {dt:>5} momentum stage: torch Muon {1e3 * mom['torch_s']:.2f} ms, "
+                      f"GefenMuon {1e3 * mom['gefen_s']:.2f} ms ({mom['gefen_s'] / mom['torch_s']:.2f}x)",
+                      flush=True)
     C.write_json(a.json, {"machine": C.machine_info(), "copy_bandwidth": peak, "results": rows})
 
 

@@ -295,3 +295,23 @@ def test_step_ab_builds_and_runs():
         for phase in ("block", "factored", "stats"):
             pattern = rf"d=64 {dtype} {phase} +1 thread\(s\): A +[0-9.]+ ms +B +[0-9.]+ ms +B/A-1"
             assert len(re.findall(pattern, r.stdout)) == 1, (dtype, phase, r.stdout)
+
+
+def test_gpu_step_script_runs_its_rows_on_the_cpu(tmp_path):
+    # the GPU benchmark's logic, on the CPU (its numbers mean nothing there): every row
+    # it reports on a GPU, so that a GPU session's minutes are not lost to a script error
+    result = _run("gpu_step.py", tmp_path=tmp_path)
+    rows = {r["optimizer"]: r for r in result["results"]}
+    assert set(rows) == {"adamw-fused", "adamw-foreach", "gefen", "gefen-block", "muon", "gefenmuon",
+                         "adamw-fused/one-tensor", "gefen-block/one-tensor"}
+    n = rows["adamw-fused"]["params"]
+    for name in ("adamw-fused", "adamw-foreach", "gefen", "gefen-block"):
+        r = rows[name]
+        assert r["params"] == n and r["step_ms"] > 0 and r["bytes_per_step"] > 0
+        assert r["ratio_to_fused_adamw"] == pytest.approx(r["step_ms"] / rows["adamw-fused"]["step_ms"])
+    for name in ("adamw-fused/one-tensor", "gefen-block/one-tensor"):
+        r = rows[name]
+        assert r["params"] == n and r["step_ms"] > 0 and r["tensors_in_model"] == 28
+        base = rows[name.split("/")[0]]["step_ms"]
+        assert r["per_tensor_us"] == pytest.approx(1e3 * (base - r["step_ms"]) / 28)
+    assert rows["gefenmuon"]["state_bytes"] < rows["muon"]["state_bytes"]
