@@ -9,6 +9,7 @@ import copy
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,3 +189,48 @@ def test_kernel_level_parity_suite():
     r = subprocess.run(["bash", os.path.join(ROOT, "kernels/test/run.sh"), "gpu"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+_CPU_ONLY_PROBE = """
+import sys, torch, gefen
+assert gefen.__file__.startswith(sys.argv[1]), gefen.__file__
+assert not gefen._C.built_with_cuda()
+p = torch.nn.Parameter(torch.randn(8, 8, device=sys.argv[2]))
+before = p.detach().clone()
+try:
+    opt = gefen.Gefen([("the_weight", p)], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+except Exception as exc:
+    assert torch.equal(p.detach(), before), "the parameter changed"
+    print("REFUSED", type(exc).__name__, exc)
+else:
+    print("STEPPED")
+"""
+
+
+def cpu_only_probe(tmp_path, device: str) -> str:
+    """The output of :data:`_CPU_ONLY_PROBE` run against a CPU-only build of gefen: the
+    package copied to ``tmp_path`` with the extension of ``$GEFEN_CPU_ONLY_EXT`` (built
+    elsewhere, see tools/gpu_check.sh) or one built here with ``GEFEN_CUDA=0``."""
+    so = os.environ.get("GEFEN_CPU_ONLY_EXT")
+    if not so:
+        lib = tmp_path / "lib"
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b", str(lib), "-t", str(tmp_path / "tmp")],
+                       cwd=ROOT, env=dict(os.environ, GEFEN_CUDA="0"), check=True, capture_output=True,
+                       timeout=900)
+        so = str(next((lib / "gefen").glob("_C*.so")))
+    pkg = tmp_path / "site" / "gefen"
+    shutil.copytree(os.path.join(ROOT, "gefen"), pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(so, pkg / os.path.basename(so))
+    r = subprocess.run([sys.executable, "-c", _CPU_ONLY_PROBE, str(tmp_path / "site"), device],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_cpu_only_build_rejects_cuda_parameters(tmp_path):
+    out = cpu_only_probe(tmp_path, "cuda")
+    assert out.startswith("REFUSED"), out
+    assert "the_weight" in out and "CUDA" in out, out

@@ -13,9 +13,12 @@
 #   bash tools/gpu_check.sh [OUTDIR]       (default: $OUT, else ./gpu_check_out)
 # GPU_CHECK_STAGES="3 4" runs only those stages (the build always runs; default "1 2 3 4").
 # GEFEN_PREBUILT=1 reuses what was built elsewhere (saves the GPU machine's minutes): the
-# in-place extension gefen/_C.abi3.so if it has the CUDA kernels, and kernels/test/build/
-# parity if it exists (build both with nvcc on any machine: `GEFEN_CUDA=1
-# GEFEN_CUDA_ARCHS=90 python setup.py build_ext --inplace; bash kernels/test/run.sh gpu`).
+# in-place extension gefen/_C.abi3.so if it has the CUDA kernels, kernels/test/build/parity
+# (then the CUDA tests skip their own build of it) and build/cpu_only/gefen/_C.abi3.so (the
+# CPU-only build the CUDA tests check) if they exist. Build them with nvcc on any machine:
+#   GEFEN_CUDA=1 GEFEN_CUDA_ARCHS=90 python setup.py build_ext --inplace
+#   bash kernels/test/run.sh gpu
+#   GEFEN_CUDA=0 python setup.py build_ext -b build/cpu_only -t build/cpu_only_tmp
 # At most 8 files land in OUTDIR: log.txt, env.txt, cuda_tests.txt (the CUDA tests' whole
 # output), gpu_step.json, offload_1.json, offload_2.json, loss_parity.json, summary.txt.
 set -uo pipefail
@@ -56,7 +59,14 @@ fi
 rm -f "$out/build.tmp"
 $py -c "import gefen; from gefen import _C; print('built_with_cuda', _C.built_with_cuda(), '| cuda_available', _C.cuda_available())" 2>&1 | tee -a "$log"
 if want 1; then
-timeout 300 $py -m pytest tests/test_cuda_parity.py -q -rs --tb=short -p no:cacheprovider 2>&1 \
+pytest_args=()
+if [[ ${GEFEN_PREBUILT:-0} == 1 && -x kernels/test/build/parity ]]; then  # it runs next
+  pytest_args+=(--deselect tests/test_cuda_parity.py::test_kernel_level_parity_suite)
+fi
+if [[ ${GEFEN_PREBUILT:-0} == 1 && -f build/cpu_only/gefen/_C.abi3.so ]]; then
+  export GEFEN_CPU_ONLY_EXT=$PWD/build/cpu_only/gefen/_C.abi3.so
+fi
+timeout 300 $py -m pytest tests/test_cuda_parity.py -q -rs --tb=short -p no:cacheprovider "${pytest_args[@]}" 2>&1 \
   | tee "$out/cuda_tests.txt" | tail -30 | tee -a "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail "tests/test_cuda_parity.py"
 if [[ ${GEFEN_PREBUILT:-0} == 1 && -x kernels/test/build/parity ]]; then
