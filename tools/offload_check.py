@@ -69,7 +69,7 @@ def main() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         return losses
 
     def phase(what: str) -> None:
