@@ -8,10 +8,13 @@ in the extension).
     python benchmarks/step_overhead.py [--sizes 16M] [--dtypes fp32] [--steps 10]
     python benchmarks/step_overhead.py --quick       # seconds
     python benchmarks/step_overhead.py --full        # without the kept step plan
+    python benchmarks/step_overhead.py --full --phased --sizes 12x256   # CUDA parameters' path
 
 After the first steps Gefen runs the C plans it kept: their C calls are ``rebind`` (this
 step's gradients), the step itself and ``unbind``. ``--full`` times the path every step
-took before (a plan built and parsed every step).
+took before (a plan built and parsed every step). ``--phased`` sends CPU parameters
+through ``factored_stats()`` and ``update()`` as sharded and CUDA parameters go; with
+``--full`` it is the host side of a CUDA step today (its plans are not kept).
 """
 
 from __future__ import annotations
@@ -131,14 +134,22 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true",
                    help="never run a kept step plan (gefen/_steady.py): every step takes the "
                         "full path, building and parsing its items")
+    p.add_argument("--phased", action="store_true",
+                   help="the two-phase calls of sharded and CUDA parameters instead of the whole "
+                        "CPU step (gefen.gefen._WHOLE_CPU_STEP = False)")
     C.add_common_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.steps, a.warmup = "1M", 3, 2  # two: the first step learns, the second keeps its plan
     C.set_threads(a.threads)
+    if a.phased:
+        import gefen.gefen as gefen_module
+
+        gefen_module._WHOLE_CPU_STEP = False
+    path = ("full" if a.full else "steady") + (", phased" if a.phased else "")
     C.print_header("gefen step: C core vs the rest",
                    {"sizes": a.sizes, "dtypes": a.dtypes, "optimizers": a.optimizers,
-                    "path": "full" if a.full else "steady (a kept plan after the first steps)"})
+                    "path": path})
     results = []
     for dname in C.parse_list(a.dtypes):
         for size in C.parse_list(a.sizes):
@@ -151,7 +162,7 @@ def main(argv=None) -> int:
                                 "step_ms": total * 1e3,
                                 "parts_ms": {k: v * 1e3 for k, v in parts.items()}})
     C.write_json(a.json, {"benchmark": "step_overhead", "machine": C.machine_info(),
-                          "path": "full" if a.full else "steady", "results": results})
+                          "path": path, "results": results})
     return 0
 
 
