@@ -6,7 +6,9 @@ foreach), and the Muon family on the hidden matrices: GefenMuon and torch.optim.
 (whole step), and their momentum stage alone. Bytes moved per step over the measured
 device-to-device copy bandwidth (ALGORITHM.md §9's floor; the formula of step_time.py).
 Fused AdamW and Gefen's block form are also timed on one matrix of the same number of
-elements: the difference, over the number of tensors, is the cost per tensor.
+elements: the difference, over the number of tensors, is the cost per tensor. Gefen is
+also timed with its step plans kept across steps for CUDA parameters (``kept-plans``;
+``gefen.gefen._KEEP_CUDA_PLANS``, off by default until checked on a GPU).
 
   python benchmarks/gpu_step.py                           # needs CUDA
   python benchmarks/gpu_step.py --sizes 124M --dtypes bf16 --json gpu.json
@@ -34,6 +36,7 @@ SIZES = {"124M": (12, 768, 50257, 1024), "350M": (24, 1024, 50257, 1024),
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAM_LIKE = ("adamw-fused", "adamw-foreach", "gefen", "gefen-block")
 ONE_TENSOR = ("adamw-fused", "gefen-block")  # also timed on one matrix of the same size
+KEPT_PLANS = ("gefen", "gefen-block")  # also timed with gefen.gefen._KEEP_CUDA_PLANS
 
 
 def gpt_shapes(size: str) -> list[tuple[int, ...]]:
@@ -142,6 +145,18 @@ def main(argv=None):
                              "step_ms": 1e3 * r["median_s"], "bytes_per_step": moved,
                              "fraction_of_copy_bw": moved / r["median_s"] / peak,
                              "state_bytes": r["state_bytes"]})
+            import gefen.gefen as gefen_module  # the kept plans for CUDA parameters (off by default)
+
+            gefen_module._KEEP_CUDA_PLANS = True
+            try:
+                for name in KEPT_PLANS:
+                    r = ST.time_one(name, named, ta, device)
+                    rows.append({"size": size, "dtype": dt, "params": n, "optimizer": name + "/kept-plans",
+                                 "step_ms": 1e3 * r["median_s"], "ratio_to_fused_adamw": r["median_s"] / times["adamw-fused"]})
+                    print(f"{size:>5} {dt:>5} {name:<14} kept plans {1e3 * r['median_s']:9.2f} ms  "
+                          f"{r['median_s'] / times['adamw-fused']:5.2f}x fused AdamW", flush=True)
+            finally:
+                gefen_module._KEEP_CUDA_PLANS = False
             n_tensors = len(named)
             del named
             one = params_of(size, dtype, device, only_matrices=False, one_tensor=True)

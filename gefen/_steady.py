@@ -24,8 +24,8 @@ flag of the full step that built them); a rank that nevertheless has none (its o
 failed after the agreement) meets the others' kept-plan agreement with its full one,
 which sees that they tried and agrees once more with them (``Comm.all_fit``).
 
-Only CPU parameters whose local shards are contiguous qualify: CUDA parameters always
-take the full path.
+Only parameters whose local shards are contiguous qualify, on the CPU; CUDA parameters
+too when ``gefen.gefen._KEEP_CUDA_PLANS`` is set (off until a GPU run has checked it).
 """
 
 from __future__ import annotations

@@ -31,6 +31,16 @@ _WHOLE_CPU_STEP = True
 #: "Reading the gradient once"), so by default (None) each optimizer times both on its first
 #: steps and keeps the faster (``gefen._tuning.FactoredTuner``); True or False forces one.
 _MOMENTUM_IN_STATS = None
+#: Internal (tests, benchmarks): CUDA parameters keep their step plans across steps too
+#: (``gefen._steady``). Off until a GPU run has checked it (tests/test_cuda_parity.py turns
+#: it on; docs/gpu.md): on the CPU the path CUDA parameters take costs about 9.7 us per
+#: tensor of host time, a kept plan about 2.2.
+_KEEP_CUDA_PLANS = False
+
+
+def _switches() -> tuple:
+    """The module's internal switches now (a plan kept under others does not run)."""
+    return (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS, _KEEP_CUDA_PLANS)
 
 _CPU = torch.device("cpu")
 
@@ -293,19 +303,20 @@ class Gefen(_QuantizedOptimizer):
         """Run the step with the plan kept from the last one (``gefen._steady``) when it
         still fits; False when there is none or it does not fit."""
         steady = self.__dict__.get("_steady")
-        if steady is not None and steady.run(self, (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS)):
+        if steady is not None and steady.run(self, _switches()):
             return True
         self._steady = None
         return False
 
     def _can_keep(self, plan: StepPlan) -> bool:
         """A steady step's plan (asked only of steps that create no state and relearn no
-        codebook) can be kept when every parameter stepped here is on the CPU and
-        contiguous (no copies to write back)."""
+        codebook) can be kept when every parameter stepped here is on the CPU (or CUDA,
+        with ``_KEEP_CUDA_PLANS``) and contiguous (no copies to write back)."""
         steps, whole, _buffers, copies = plan.payload
-        return not copies and all(d is _CPU for d, *_ in steps + whole)
+        return not copies and all(d is _CPU or (_KEEP_CUDA_PLANS and d.type == "cuda")
+                                  for d, *_ in steps + whole)
 
     def _keep_steady(self, plan: StepPlan) -> None:
         """After a full step: keep its C plans for the next steps when every rank can."""
         if plan.keep:
-            self._steady = SteadyStep(self, plan, (_WHOLE_CPU_STEP, _MOMENTUM_IN_STATS))
+            self._steady = SteadyStep(self, plan, _switches())

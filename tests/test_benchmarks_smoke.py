@@ -303,7 +303,8 @@ def test_gpu_step_script_runs_its_rows_on_the_cpu(tmp_path):
     result = _run("gpu_step.py", tmp_path=tmp_path)
     rows = {r["optimizer"]: r for r in result["results"]}
     assert set(rows) == {"adamw-fused", "adamw-foreach", "gefen", "gefen-block", "muon", "gefenmuon",
-                         "adamw-fused/one-tensor", "gefen-block/one-tensor"}
+                         "adamw-fused/one-tensor", "gefen-block/one-tensor", "gefen/kept-plans",
+                         "gefen-block/kept-plans"}
     n = rows["adamw-fused"]["params"]
     for name in ("adamw-fused", "adamw-foreach", "gefen", "gefen-block"):
         r = rows[name]
@@ -314,4 +315,6 @@ def test_gpu_step_script_runs_its_rows_on_the_cpu(tmp_path):
         assert r["params"] == n and r["step_ms"] > 0 and r["tensors_in_model"] == 28
         base = rows[name.split("/")[0]]["step_ms"]
         assert r["per_tensor_us"] == pytest.approx(1e3 * (base - r["step_ms"]) / 28)
+    for name in ("gefen/kept-plans", "gefen-block/kept-plans"):
+        assert rows[name]["params"] == n and rows[name]["step_ms"] > 0, rows[name]
     assert rows["gefenmuon"]["state_bytes"] < rows["muon"]["state_bytes"]

@@ -64,7 +64,13 @@ def test_gefen_cuda_matches_cpu(dtype, factored, stochastic_round):
     pc, pg, gen = _pair(shapes, dtype)
     kw = dict(lr=3e-3, weight_decay=0.01, factored=factored, stochastic_round=stochastic_round)
     oc, og = gefen.Gefen(pc, **kw), gefen.Gefen(pg, **kw)
-    for _ in range(3):
+    _step_both(oc, og, pc, pg, shapes, dtype, gen, 3)
+
+
+def _step_both(oc, og, pc, pg, shapes, dtype, gen, steps: int) -> None:
+    """``steps`` steps of the CPU and the CUDA optimizer on the same random gradients,
+    their states compared after each."""
+    for _ in range(steps):
         for a, b, g in zip(pc, pg, _grads(shapes, dtype, gen)):
             a.grad, b.grad = g.clone(), g.cuda()
         oc.step()
@@ -234,3 +240,29 @@ def test_cpu_only_build_rejects_cuda_parameters(tmp_path):
     out = cpu_only_probe(tmp_path, "cuda")
     assert out.startswith("REFUSED"), out
     assert "the_weight" in out and "CUDA" in out, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factored", [True, False])
+def test_gefen_cuda_kept_plans_match_cpu(monkeypatch, dtype, factored):
+    # the step plans kept across steps (gefen._steady) for CUDA parameters, behind
+    # gefen.gefen._KEEP_CUDA_PLANS until this has passed on a GPU
+    import gefen.gefen as gefen_module
+    from gefen import _steady
+
+    monkeypatch.setattr(gefen_module, "_KEEP_CUDA_PLANS", True)
+    shapes = [(64, 96), (300,), (8, 3, 5, 5), (1, 640)]
+    pc, pg, gen = _pair(shapes, dtype)
+    kw = dict(lr=3e-3, weight_decay=0.01, factored=factored)
+    oc, og = gefen.Gefen(pc, **kw), gefen.Gefen(pg, **kw)
+    real, ran = _steady.SteadyStep.run, []
+
+    def run(self, opt, switches):
+        ok = real(self, opt, switches)
+        if opt is og:
+            ran.append(ok)
+        return ok
+
+    monkeypatch.setattr(_steady.SteadyStep, "run", run)
+    _step_both(oc, og, pc, pg, shapes, dtype, gen, 6)
+    assert sum(ran) >= 3, ran  # the kept plans stepped the CUDA parameters

@@ -712,7 +712,7 @@ static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kw
 
 /* ---------------------------------------------------------- steady steps
  *
- * AdamStep.rebind() / unbind(): a CPU plan kept across steps (Gefen's steady
+ * AdamStep.rebind() / unbind(): a plan kept across steps (Gefen's steady
  * step, built with each item's parameter in place of its gradient, so that it
  * holds no gradient between steps) takes this step's gradients, step counters
  * and hyper-parameters; its phases then run as after a build, and unbind()
@@ -720,7 +720,9 @@ static PyObject *muon_step_momentum(StepPlan *self, PyObject *args, PyObject *kw
  * parsed -- the parameter at the same address, contiguous, of the same dtype
  * and shape on the same device, its gradient likewise -- or it changes
  * nothing and returns False: the caller then takes the full path, which
- * raises the error that input deserves or builds a new plan. */
+ * raises the error that input deserves or builds a new plan. A CUDA plan's
+ * phases take the stream of their call, as after a build; the gradients it
+ * lets go stay PyTorch's, whose allocator reuses their memory in stream order. */
 
 /* The hyper-parameters of one item: (lr, beta1, beta2, eps, weight_decay,
  * stochastic_round). 0, or -1 (no exception set) when they do not parse. */
@@ -796,10 +798,6 @@ static PyObject *adam_step_rebind(StepPlan *self, PyObject *args, PyObject *kwar
       PyList_Size(hypers) != n) {
     PyErr_Format(PyExc_ValueError, "AdamStep.rebind: the plan has %zd items; params, grads, "
                  "steps and hypers must have one entry each", n);
-    return NULL;
-  }
-  if (self->device.device_type != kDLCPU) {
-    PyErr_SetString(PyExc_RuntimeError, "AdamStep.rebind() takes CPU plans only");
     return NULL;
   }
   if (n == 0) Py_RETURN_TRUE;
