@@ -81,7 +81,7 @@ fi
 if want 2; then
 step "2. step time at GPT-2-family sizes"
 timeout 240 $py benchmarks/gpu_step.py --sizes "${GPU_SIZES:-124M,350M,1.3B}" --dtypes fp32,bf16 \
-  --json "$out/gpu_step.json" 2>&1 | tee -a "$log" | grep -E "fused AdamW|momentum stage|per tensor|Error|error"
+  --json "$out/gpu_step.json" 2>&1 | tee -a "$log" | grep -E "fused AdamW|momentum stage|per tensor|kept plans|Error|error"
 [ "${PIPESTATUS[0]}" = 0 ] || fail "benchmarks/gpu_step.py"
 fi
 
@@ -111,7 +111,7 @@ fi
 step "summary"
 {
   grep -E "passed|failed|error" "$log" | grep -v "^E " | tail -6
-  grep -E "fused AdamW|momentum stage|per tensor" "$log"
+  grep -E "fused AdamW|momentum stage|per tensor|kept plans" "$log"
   grep -E "PASS|MISS|reference" "$log" | tail -4
   echo "gpu_check exit status: $status"
 } | tee "$out/summary.txt"
