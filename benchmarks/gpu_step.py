@@ -93,6 +93,19 @@ def momentum_stage(named, steps: int, device) -> dict:
     return {"torch_s": _median(torch_momentum, steps, device), "gefen_s": _median(gefen_momentum, steps, device)}
 
 
+def time_kept_plans(named, ta, device) -> dict:
+    """Median step seconds of each of :data:`KEPT_PLANS` with its step plans kept across
+    steps for CUDA parameters (``gefen.gefen._KEEP_CUDA_PLANS``, off by default until
+    checked on a GPU; no effect on the CPU)."""
+    import gefen.gefen as gefen_module
+
+    gefen_module._KEEP_CUDA_PLANS = True
+    try:
+        return {name: ST.time_one(name, named, ta, device)["median_s"] for name in KEPT_PLANS}
+    finally:
+        gefen_module._KEEP_CUDA_PLANS = False
+
+
 def _median(fn, steps: int, device) -> float:
     for _ in range(3):
         fn()
@@ -145,18 +158,12 @@ def main(argv=None):
                              "step_ms": 1e3 * r["median_s"], "bytes_per_step": moved,
                              "fraction_of_copy_bw": moved / r["median_s"] / peak,
                              "state_bytes": r["state_bytes"]})
-            import gefen.gefen as gefen_module  # the kept plans for CUDA parameters (off by default)
-
-            gefen_module._KEEP_CUDA_PLANS = True
-            try:
-                for name in KEPT_PLANS:
-                    r = ST.time_one(name, named, ta, device)
-                    rows.append({"size": size, "dtype": dt, "params": n, "optimizer": name + "/kept-plans",
-                                 "step_ms": 1e3 * r["median_s"], "ratio_to_fused_adamw": r["median_s"] / times["adamw-fused"]})
-                    print(f"{size:>5} {dt:>5} {name:<14} kept plans {1e3 * r['median_s']:9.2f} ms  "
-                          f"{r['median_s'] / times['adamw-fused']:5.2f}x fused AdamW", flush=True)
-            finally:
-                gefen_module._KEEP_CUDA_PLANS = False
+            for name, t in time_kept_plans(named, ta, device).items():
+                ratio = t / times["adamw-fused"]
+                rows.append({"size": size, "dtype": dt, "params": n, "optimizer": name + "/kept-plans",
+                             "step_ms": 1e3 * t, "ratio_to_fused_adamw": ratio})
+                print(f"{size:>5} {dt:>5} {name:<14} kept plans {1e3 * t:9.2f} ms  "
+                      f"{ratio:5.2f}x fused AdamW", flush=True)
             n_tensors = len(named)
             del named
             one = params_of(size, dtype, device, only_matrices=False, one_tensor=True)
