@@ -33,8 +33,9 @@ _WHOLE_CPU_STEP = True
 _MOMENTUM_IN_STATS = None
 #: Internal (tests, benchmarks): CUDA parameters keep their step plans across steps too
 #: (``gefen._steady``). Off until a GPU run has checked it (tests/test_cuda_parity.py turns
-#: it on; docs/gpu.md): on the CPU the path CUDA parameters take costs about 9.7 us per
-#: tensor of host time, a kept plan about 2.2.
+#: it on; docs/gpu.md): on the CPU the path CUDA parameters take costs about 10.6 us of
+#: host time per tensor, a kept plan about 2.3 (block form; benchmarks/step_overhead.py
+#: --full --phased against --phased).
 _KEEP_CUDA_PLANS = False
 
 

@@ -59,8 +59,9 @@ fi
 rm -f "$out/build.tmp"
 $py -c "import gefen; from gefen import _C; print('built_with_cuda', _C.built_with_cuda(), '| cuda_available', _C.cuda_available())" 2>&1 | tee -a "$log"
 if want 1; then
-pytest_args=()
+pytest_args=() prebuilt_parity=0
 if [[ ${GEFEN_PREBUILT:-0} == 1 && -x kernels/test/build/parity ]]; then  # it runs next
+  prebuilt_parity=1
   pytest_args+=(--deselect tests/test_cuda_parity.py::test_kernel_level_parity_suite)
 fi
 if [[ ${GEFEN_PREBUILT:-0} == 1 && -f build/cpu_only/gefen/_C.abi3.so ]]; then
@@ -69,7 +70,7 @@ fi
 timeout 300 $py -m pytest tests/test_cuda_parity.py -q -rs --tb=short -p no:cacheprovider "${pytest_args[@]}" 2>&1 \
   | tee "$out/cuda_tests.txt" | tail -30 | tee -a "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail "tests/test_cuda_parity.py"
-if [[ ${GEFEN_PREBUILT:-0} == 1 && -x kernels/test/build/parity ]]; then
+if [[ $prebuilt_parity == 1 ]]; then
   echo "GEFEN_PREBUILT=1: running kernels/test/build/parity" | tee -a "$log"
   timeout 300 kernels/test/build/parity 2>&1 | tail -30 | tee -a "$log"
 else
