@@ -107,10 +107,12 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
         const double s0 = now();
         double bsq = 0.0;
         const float bmx = ops->adam_momentum(g16, GEFEN_BF16, base, codes + base, q, 0.5f, 0.9f,
-                                             0.1f, P, m0, &bsq, packed);
+                                             0.1f, P, m0, &bsq,
+                                             packed ? GEFEN_SINK_ADAM_BLOCK : 0);
         const gefen_sink bsink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = p16,
                                   .out_dtype = GEFEN_BF16, .base = base, .s = 0.1f,
-                                  .decay = 0.999f, .lr = 1e-6f, .packed = packed};
+                                  .decay = 0.999f, .lr = 1e-6f,
+                                  .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0};
         ops->requantize_apply(q, m0, bmx, P, codes + base, &bsink);
         tb[packed] = now() - s0;
       }

@@ -112,15 +112,15 @@ static void buffers_free(buffers *b) {
 }
 
 /* A block step of Adam (momentum with the sum of g^2, then the fused pass into the
- * parameters) at base; returns max|m|. */
+ * parameters) at base, in the table's own order when packed; returns max|m|. */
 static float block_step(const version *v, const void *grad, gefen_dtype dt, void *param,
                         int packed, uint8_t *codes, int64_t base, float *m, double *sq,
                         int64_t P) {
   const float mx = v->ops->adam_momentum(grad, dt, base, codes, v->q, 0.5f, 0.9f, 0.1f, P, m,
-                                         sq, packed);
+                                         sq, packed ? GEFEN_SINK_ADAM_BLOCK : 0);
   const gefen_sink k = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = param, .out_dtype = dt,
                         .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-3f,
-                        .packed = packed};
+                        .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0};
   v->ops->requantize_apply(v->q, m, mx, P, codes, &k);
   return mx;
 }

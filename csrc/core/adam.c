@@ -346,9 +346,9 @@ static void finish_block(const gefen_adam_item *it, const gefen_quantizer *q,
 }
 
 /* The sink of an item's update. m stays between adam_momentum and
- * requantize_apply in the primitives' own order (packed) unless the block is
- * rounded stochastically (gefen_requantize_stochastic reads it in element
- * order). */
+ * requantize_apply in the primitives' own order for this kind of sink (packed:
+ * the kind) unless the block is rounded stochastically
+ * (gefen_requantize_stochastic reads it in element order). */
 static gefen_sink adam_sink(const gefen_adam_item *it, const adam_consts *k,
                             gefen_sink_kind kind) {
   return (gefen_sink){.kind = kind,
@@ -358,7 +358,7 @@ static gefen_sink adam_sink(const gefen_adam_item *it, const adam_consts *k,
                       .eps = k->eps,
                       .decay = k->decay,
                       .lr = k->lr,
-                      .packed = !it->stochastic_round};
+                      .packed = it->stochastic_round ? 0 : (int)kind};
 }
 
 static void block_chunk(const gefen_adam_item *it, const adam_consts *k,

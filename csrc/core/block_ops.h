@@ -97,8 +97,9 @@ typedef struct {
   float inv_bc1, eps, decay, lr;
   float beta, one_minus_beta;
   int nesterov;
-  int packed;            /* Adam sinks: m is as adam_momentum(..., packed = 1) of the
-                          * same primitives wrote it (its own order, see there) */
+  int packed;            /* Adam sinks: m is as adam_momentum(..., packed) of the
+                          * same primitives wrote it with the same packed, the
+                          * sink's kind (its own order, see there); 0: in order */
 } gefen_sink;
 
 /* The block form's step for blocks of one element (period 1: the 1-D
@@ -116,11 +117,14 @@ typedef struct {
 typedef struct {
   /* Gefen (C: the codebook of q): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g; adds sum g^2
    * to *sq unless sq is NULL; returns max|m| (NaN never wins; 0 for an
-   * all-NaN block). With packed set, a version may write m in an order of its
-   * own within each whole group of 64 elements (the VBMI version does for
-   * bfloat16: even elements, then odd ones, so that its loads and stores need
-   * no shuffle), for requantize_apply with an Adam sink whose packed is set
-   * and nothing else; the sum, the maximum and the values are the same. */
+   * all-NaN block). With packed set (to the kind of the Adam sink that will
+   * read m: GEFEN_SINK_ADAM_BLOCK or GEFEN_SINK_ADAM_FACTORED), a version may
+   * write m in an order of its own within each whole group of 64 elements
+   * (the VBMI version does for bfloat16: even elements, then odd ones, so
+   * that its loads and stores need no shuffle; the AVX2 version the same
+   * within groups of 16, for block sinks only), for requantize_apply with an
+   * Adam sink of that kind whose packed is the same and nothing else; the
+   * sum, the maximum and the values are the same. */
   float (*adam_momentum)(const void *grad, gefen_dtype dt, int64_t base,
                          const uint8_t *codes, const gefen_quantizer *q, float mag_old,
                          float beta1, float one_minus_beta1, int64_t len, float *m,
