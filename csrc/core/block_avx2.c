@@ -8,6 +8,8 @@
  *    a NaN is first made the canonical quiet NaN of its sign, because F16C
  *    keeps payload bits that the portable conversion drops;
  *  - bfloat16 by the integer rounding of gefen_f32_to_bf16, NaN rule included;
+ *    the block form's bfloat16 steps keep m in a packed order of their own
+ *    (load16_bf16_packed) so that their loads and stores need no shuffles;
  *  - sums of g^2 in the canonical lanes of block_ops.h: 16 elements at a time
  *    into four float64 vectors holding lanes 0-3, 4-7, 8-11 and 12-15;
  *  - tails (fewer than 8 elements) go through the portable primitive or the
@@ -557,8 +559,8 @@ INLINE void requantize_chunk(const gefen_quantizer *q, float *m, float mx, int64
 
 /* Requantises m[0..len) and sends each mq to the sink (kind GEFEN_SINK_M: into
  * m; or an Adam sink, whose parameters have dtype dt); with packed, m's whole
- * groups of 16 are in the packed order (bfloat16 Adam sinks, distinct
- * entries). */
+ * groups of 16 are in the packed order (bfloat16 block sinks, distinct
+ * entries; see packs). */
 INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
                          uint8_t *codes, const int search, const gefen_sink *sk,
                          const gefen_sink_kind kind, const gefen_dtype dt, const int packed) {
@@ -586,7 +588,8 @@ static int search_of(const gefen_quantizer *q) {
 }
 
 static int packs(const gefen_quantizer *q, gefen_dtype dt, int packed) {
-  return packed == GEFEN_SINK_ADAM_BLOCK && dt == GEFEN_BF16 && q->table.exact_lut && search_of(q) != SEARCH_REPEATED;
+  return packed == GEFEN_SINK_ADAM_BLOCK && dt == GEFEN_BF16 && q->table.exact_lut &&
+         search_of(q) != SEARCH_REPEATED;
 }
 
 /* Calls CALL(S, A, B) with the search S as a compile-time constant, as
