@@ -261,6 +261,26 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "avx3"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "a version is" in r.stderr
+    # kernel_ab avx2@REV: another revision's AVX2 table built in under another name (what
+    # kernel_ab.sh does from git; here the working tree's own, renamed), refused when
+    # none is built in
+    r = subprocess.run([str(tmp_path / "kernel_ab"), "avx2@HEAD", "portable"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no other revision's table" in r.stderr
+    with open(os.path.join(ROOT, "csrc", "core", "block_avx2.c")) as f:
+        (tmp_path / "table_a.c").write_text(f.read().replace("gefen_block_ops_avx2",
+                                                             "gefen_block_ops_a"))
+    r = subprocess.run(
+        [_cc(), *flags, os.path.join(BENCH, "kernel_ab.c"), str(tmp_path / "table_a.c"),
+         *objects, "-o", str(tmp_path / "kernel_ab_rev"), "-lm"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([str(tmp_path / "kernel_ab_rev"), "avx2@copy", "avx2", "136", "3", "2"],
+                       capture_output=True, text=True, timeout=120)
+    if "has no avx2 table" not in r.stderr:  # (a CPU without AVX2)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "A = avx2@copy" in r.stdout and "outputs identical" in r.stdout
     # search_ports: the search's stages in cycles of port 5 where the VBMI kernels run,
     # one line saying why not elsewhere
     r = subprocess.run([str(tmp_path / "search_ports"), "3"], capture_output=True, text=True,
