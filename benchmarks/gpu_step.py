@@ -99,11 +99,11 @@ def time_kept_plans(named, ta, device) -> dict:
     checked on a GPU; no effect on the CPU)."""
     import gefen.gefen as gefen_module
 
-    gefen_module._KEEP_CUDA_PLANS = True
+    saved, gefen_module._KEEP_CUDA_PLANS = gefen_module._KEEP_CUDA_PLANS, True
     try:
         return {name: ST.time_one(name, named, ta, device)["median_s"] for name in KEPT_PLANS}
     finally:
-        gefen_module._KEEP_CUDA_PLANS = False
+        gefen_module._KEEP_CUDA_PLANS = saved
 
 
 def _median(fn, steps: int, device) -> float:

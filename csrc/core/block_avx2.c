@@ -144,11 +144,15 @@ INLINE __m256 factored_s8(const adam_vectors *c, const float *scol) {
   return _mm256_div_ps(c->inv_bc1, _mm256_add_ps(_mm256_mul_ps(c->s, _mm256_loadu_ps(scol)), c->eps));
 }
 
+/* p * decay - lr * (mq * s): the Adam update of 8 parameters. */
+INLINE __m256 adam_update8(__m256 p, __m256 mq, __m256 s, const adam_vectors *c) {
+  return _mm256_sub_ps(_mm256_mul_ps(p, c->decay), _mm256_mul_ps(c->lr, _mm256_mul_ps(mq, s)));
+}
+
 /* p = p * decay - lr * (mq * s) for the 8 parameters at i. */
 INLINE void update8(void *param, gefen_dtype dt, int64_t i, __m256 mq, __m256 s,
                     const adam_vectors *c) {
-  const __m256 p = load8(param, dt, i);
-  store8(param, dt, i, _mm256_sub_ps(_mm256_mul_ps(p, c->decay), _mm256_mul_ps(c->lr, _mm256_mul_ps(mq, s))));
+  store8(param, dt, i, adam_update8(load8(param, dt, i), mq, s, c));
 }
 
 /* An Adam sink's update of the 8 elements at j of its block from their mq. */
@@ -478,11 +482,8 @@ INLINE void sink16_packed(const gefen_sink *sk, const adam_vectors *c, int64_t j
                           __m256 mq_even, __m256 mq_odd) {
   __m256 p_even, p_odd;
   load16_bf16_packed(sk->out, sk->base + j, &p_even, &p_odd);
-  p_even = _mm256_sub_ps(_mm256_mul_ps(p_even, c->decay),
-                         _mm256_mul_ps(c->lr, _mm256_mul_ps(mq_even, c->s)));
-  p_odd = _mm256_sub_ps(_mm256_mul_ps(p_odd, c->decay),
-                        _mm256_mul_ps(c->lr, _mm256_mul_ps(mq_odd, c->s)));
-  store16_bf16_packed(sk->out, sk->base + j, p_even, p_odd);
+  store16_bf16_packed(sk->out, sk->base + j, adam_update8(p_even, mq_even, c->s, c),
+                      adam_update8(p_odd, mq_odd, c->s, c));
 }
 
 /* Elements per chunk of the requantisation's two passes (a multiple of 8 and at
