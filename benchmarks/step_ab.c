@@ -1,19 +1,21 @@
-/* Two versions of the AVX2 kernels (block_avx2.c) against each other on the sets of
+/* Two versions of one table of block kernels against each other on the sets of
  * core_step.c (one attention block of width d), in one process, with threads: what
  * kernel_ab.c does in cache on one thread, for whole C phases in DRAM. After one
  * untimed round of each version, each round times one phase with version A, then B
  * (even rounds) or B, then A (odd rounds), each side the best of 3 calls; printed
  * are the medians of each side and the median and range of the per-round ratios B/A.
- * The two versions are the same table compiled twice under two names
- * (gefen_block_ops_a, gefen_block_ops_b; see step_ab.sh), so everything around the
- * kernels is shared. It times only: kernel_ab and the C tests check the bits.
+ * The two versions are the same table (block_avx2.c by default, or an AVX-512 one)
+ * compiled twice under two names (gefen_block_ops_a, gefen_block_ops_b; see
+ * step_ab.sh), so everything around the kernels is shared. It times only: kernel_ab
+ * and the C tests check the bits.
  *
- *   bash benchmarks/step_ab.sh REV [d] [rounds] [threads] [dtypes] [phases]
- *     A: block_avx2.c at git revision REV, B: the working tree's
+ *   bash benchmarks/step_ab.sh [TABLE@]REV [d] [rounds] [threads] [dtypes] [phases]
+ *     A: the table (avx2, avx512bf16 or avx512vbmi) at git revision REV, B: the
+ *     working tree's
  *     phases: block (block-form update), factored (statistics + update), stats
  *     defaults: d 2048 (16.8M), 12 rounds, 2 threads, fp32,bf16,fp16, stats,block,factored
  *
- * Needs a CPU with AVX2 (the table refuses otherwise). */
+ * Needs a CPU with the table (it refuses otherwise). */
 #define main core_step_main
 #include "core_step.c"
 #undef main
@@ -55,7 +57,7 @@ int main(int argc, char **argv) {
   const char *phase_list = argc > 5 ? argv[5] : "stats,block,factored";
   if (rounds < 2) rounds = 2;
   if (!gefen_block_ops_a() || !gefen_block_ops_b()) {
-    fprintf(stderr, "step_ab: this CPU has no AVX2\n");
+    fprintf(stderr, "step_ab: this CPU lacks the table\n");
     return 1;
   }
   gefen_quantizer *q = bench_quantizer(300.0);

@@ -1,21 +1,58 @@
 #!/usr/bin/env bash
-# Builds and runs benchmarks/step_ab.c: the AVX2 kernels (csrc/core/block_avx2.c) of git
+# Builds and runs benchmarks/step_ab.c: one table of block kernels as it was at git
 # revision REV (A) against the working tree's (B), whole C phases on the 16.8M set (or
 # d as given), with threads, in one process, ABBA.
-#   bash benchmarks/step_ab.sh HEAD~1                       # all dtypes, stats/block/factored
+#   bash benchmarks/step_ab.sh HEAD~1                       # the AVX2 table, all dtypes
 #   bash benchmarks/step_ab.sh 95d38f3 4096 8 2 fp32 stats  # 67.1M, the statistics phase
+#   bash benchmarks/step_ab.sh avx512bf16@HEAD 2048 12 2 fp16 block,factored
+# TABLE@REV names the table: avx2 (the default; csrc/core/block_avx2.c), avx512bf16 or
+# avx512vbmi (their .c file and the AVX-512 kernel headers it includes, which the two
+# share; the helpers of block_avx512.c they call are the working tree's on both sides).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-rev=${1:?usage: step_ab.sh REV [d] [rounds] [threads] [dtypes] [phases]}
+spec=${1:?usage: step_ab.sh [TABLE@]REV [d] [rounds] [threads] [dtypes] [phases]}
 shift
+case "$spec" in
+  *@*) table=${spec%%@*} rev=${spec#*@} ;;
+  *) table=avx2 rev=$spec ;;
+esac
+headers=()
+case "$table" in
+  avx2) ;;
+  avx512bf16 | avx512vbmi)
+    headers=(block_avx512_common.h block_avx512_kernels.h block_avx512vbmi_kernels.h) ;;
+  *)
+    echo "step_ab.sh: the table is avx2, avx512bf16 or avx512vbmi, not $table" >&2
+    exit 2 ;;
+esac
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-git -C "$root" show "$rev:csrc/core/block_avx2.c" |
-  sed 's/gefen_block_ops_avx2/gefen_block_ops_a/g' > "$out/table_a.c"
-sed 's/gefen_block_ops_avx2/gefen_block_ops_b/g' "$root/csrc/core/block_avx2.c" > "$out/table_b.c"
-gcc -std=c11 -O3 -ffp-contract=off -fopenmp -I "$root/csrc/core" -I "$root/benchmarks" \
-  "$root/benchmarks/step_ab.c" "$root"/csrc/core/*.c "$out/table_a.c" "$out/table_b.c" \
-  -o "$out/step_ab" -lm
+# Each side's copy in a folder of its own, with the headers it includes by "...",
+# which the compiler looks for beside the including file first; the table's getter
+# (and the one other global of block_avx512vbmi.c) renamed _a / _b.
+rename() {
+  sed -e "s/gefen_block_ops_$table\b/gefen_block_ops_$1/g" \
+    -e "s/gefen_cpu_prefers_key_search\b/gefen_cpu_prefers_key_search_$1/g"
+}
+mkdir "$out/a" "$out/b"
+git -C "$root" show "$rev:csrc/core/block_$table.c" | rename a > "$out/a/table_a.c"
+rename b < "$root/csrc/core/block_$table.c" > "$out/b/table_b.c"
+for h in ${headers[@]+"${headers[@]}"}; do
+  git -C "$root" show "$rev:csrc/core/$h" > "$out/a/$h"
+  cp "$root/csrc/core/$h" "$out/b/$h"
+done
+# one object per source, compiled side by side (the AVX-512 kernels take most of it)
+n=0
+pids=()
+for src in "$root/benchmarks/step_ab.c" "$root"/csrc/core/*.c "$out/a/table_a.c" \
+  "$out/b/table_b.c"; do
+  n=$((n + 1))
+  gcc -std=c11 -O3 -ffp-contract=off -fopenmp -I "$root/csrc/core" -I "$root/benchmarks" \
+    -c "$src" -o "$out/$n.o" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done # set -e: a failed compile stops here
+gcc -fopenmp "$out"/*.o -o "$out/step_ab" -lm
 grep -m1 "model name" /proc/cpuinfo || true
-echo "A = block_avx2.c at $rev, B = the working tree's"
+echo "A = the $table table at $rev, B = the working tree's"
 "$out/step_ab" "$@"

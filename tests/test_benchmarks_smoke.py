@@ -307,7 +307,12 @@ def test_step_ab_builds_and_runs():
         ["bash", os.path.join(BENCH, "step_ab.sh"), "HEAD", "64", "2", "1", "fp32,bf16",
          "stats,block,factored"], capture_output=True, text=True, timeout=600,
     )
-    if "this CPU has no AVX2" in r.stderr:
+    _check_step_ab(r)
+
+
+def _check_step_ab(r):
+    """One line per dtype and phase, or the refusal of a CPU without the table."""
+    if "this CPU lacks the table" in r.stderr:
         assert r.returncode == 1
         return
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -315,6 +320,27 @@ def test_step_ab_builds_and_runs():
         for phase in ("block", "factored", "stats"):
             pattern = rf"d=64 {dtype} {phase} +1 thread\(s\): A +[0-9.]+ ms +B +[0-9.]+ ms +B/A-1"
             assert len(re.findall(pattern, r.stdout)) == 1, (dtype, phase, r.stdout)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc (step_ab.sh builds with gcc)")
+def test_step_ab_avx512_table_and_bad_table():
+    """step_ab.sh avx512bf16@REV: the AVX-512 table's file and kernel headers of a
+    revision against the working tree's (each side with its own headers); runs, or says
+    the CPU lacks it; an unknown table is refused before anything is built."""
+    if shutil.which("git") is None or subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
+    ).returncode != 0:
+        pytest.skip("not a git checkout: step_ab.sh reads a revision's kernels from git")
+    r = subprocess.run(
+        ["bash", os.path.join(BENCH, "step_ab.sh"), "avx512bf16@HEAD", "64", "2", "1",
+         "fp32,bf16", "stats,block,factored"], capture_output=True, text=True, timeout=600,
+    )
+    _check_step_ab(r)
+    if r.returncode == 0:
+        assert "A = the avx512bf16 table at HEAD" in r.stdout
+    r = subprocess.run(["bash", os.path.join(BENCH, "step_ab.sh"), "avx3@HEAD"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not avx3" in r.stderr, r.stderr
 
 
 def test_gpu_step_script_runs_its_rows_on_the_cpu(tmp_path):
