@@ -16,11 +16,13 @@
  * A version is a table (avx512bf16, avx512vbmi, avx512, avx2, portable) that this CPU
  * has, optionally followed by +keys or -keys to force the nearest-code search over
  * 16-bit keys on or off (the VBMI tables read it, the others ignore it; without it,
- * the CPU's default: keys on AMD); or avx2@REV, the AVX2 table of git revision REV,
- * which kernel_ab.sh builds in as gefen_block_ops_a (one revision per run):
+ * the CPU's default: keys on AMD); or TABLE@REV, the table TABLE (avx2, avx512bf16 or
+ * avx512vbmi) of git revision REV, which kernel_ab.sh builds in as gefen_block_ops_a
+ * (one revision per run; table_at_rev.sh):
  *
  *   bash benchmarks/kernel_ab.sh avx2@HEAD avx2     the last commit's AVX2 kernels
  *                                                   against the working tree's
+ *   bash benchmarks/kernel_ab.sh avx512bf16@HEAD avx512bf16
  * Defaults: period 2048, 8 blocks, 200 repetitions per side.
  *
  *   stages: fp32 block step (Adam momentum with the sum of g^2, then requantisation and
@@ -204,10 +206,10 @@ static int same_outputs(const version *a, const version *b, int s, int64_t n, in
   return what != NULL;
 }
 
-/* The AVX2 table of another revision (avx2@REV), when kernel_ab.sh links one in. */
+/* The table of another revision (TABLE@REV), when kernel_ab.sh links one in. */
 extern const gefen_block_ops *gefen_block_ops_a(void) __attribute__((weak));
 
-/* "table[+keys|-keys]" or "avx2@REV" -> the table and a quantiser with the key search
+/* "table[+keys|-keys]" or "TABLE@REV" -> the table and a quantiser with the key search
  * as asked. */
 static int parse_version(const char *spec, const float *cb, version *v) {
   static const struct {
@@ -218,9 +220,10 @@ static int parse_version(const char *spec, const float *cb, version *v) {
                 {"avx512", gefen_block_ops_avx512},
                 {"avx2", gefen_block_ops_avx2}};
   char name[32];
-  const int revision = !strncmp(spec, "avx2@", 5);
+  const char *at = strchr(spec, '@'); /* TABLE@REV: the revision's table built in */
+  const int revision = at != NULL;
   const char *sign = revision ? NULL : strpbrk(spec, "+-");
-  const size_t len = revision ? 4 : sign ? (size_t)(sign - spec) : strlen(spec);
+  const size_t len = revision ? (size_t)(at - spec) : sign ? (size_t)(sign - spec) : strlen(spec);
   if (len == 0 || len >= sizeof name) goto bad;
   memcpy(name, spec, len);
   name[len] = '\0';
@@ -232,30 +235,27 @@ static int parse_version(const char *spec, const float *cb, version *v) {
   }
   v->spec = spec;
   v->ops = NULL;
-  if (revision) {
-    if (!spec[5]) goto bad;
+  size_t i = 0;
+  for (; i < sizeof tables / sizeof tables[0]; i++)
+    if (!strcmp(name, tables[i].name)) break;
+  const int known = i < sizeof tables / sizeof tables[0];
+  if (revision) { /* a table that table_at_rev.sh takes: not the plain avx512 */
+    if (!at[1] || !known || !strcmp(name, "avx512")) goto bad;
     if (!gefen_block_ops_a) {
       fprintf(stderr, "kernel_ab: %s: no other revision's table is built in (run it "
                       "through kernel_ab.sh)\n", spec);
       return 2;
     }
     v->ops = gefen_block_ops_a();
-    if (!v->ops) {
-      fprintf(stderr, "kernel_ab: this CPU (or this build) has no avx2 table\n");
-      return 2;
-    }
   } else if (!strcmp(name, "portable")) {
     v->ops = &gefen_block_ops_scalar;
   } else {
-    size_t i = 0;
-    for (; i < sizeof tables / sizeof tables[0]; i++)
-      if (!strcmp(name, tables[i].name)) break;
-    if (i == sizeof tables / sizeof tables[0]) goto bad;
+    if (!known) goto bad;
     v->ops = tables[i].get();
-    if (!v->ops) {
-      fprintf(stderr, "kernel_ab: this CPU (or this build) has no %s table\n", name);
-      return 2;
-    }
+  }
+  if (!v->ops) {
+    fprintf(stderr, "kernel_ab: this CPU (or this build) has no %s table\n", name);
+    return 2;
   }
   gefen_error err;
   if (gefen_quantizer_create(cb, &v->q, &err) != GEFEN_OK) {
@@ -273,7 +273,8 @@ static int parse_version(const char *spec, const float *cb, version *v) {
 bad:
   fprintf(stderr,
           "kernel_ab: %s: a version is avx512bf16, avx512vbmi, avx512, avx2 or portable, "
-          "optionally followed by +keys or -keys, or avx2@REV\n",
+          "optionally followed by +keys or -keys, or TABLE@REV (avx2, avx512bf16, "
+          "avx512vbmi)\n",
           spec);
   return 2;
 }

@@ -5,28 +5,30 @@
 #   bash benchmarks/kernel_ab.sh avx512bf16-keys avx512bf16+keys 2048 8 400
 #   bash benchmarks/kernel_ab.sh avx2@HEAD avx2      # a revision's AVX2 kernels (from git)
 #                                                    # against the working tree's
+#   bash benchmarks/kernel_ab.sh avx512bf16@HEAD avx512bf16   # the same for an AVX-512 table
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# avx2@REV: that revision's block_avx2.c, built in under another name (one revision)
+# TABLE@REV (avx2, avx512bf16 or avx512vbmi): that revision's table, built in under
+# another name (one revision per run; see table_at_rev.sh)
 extra=()
-rev=
+spec_rev=
 for arg in "${@:1:2}"; do
   case "$arg" in
-    avx2@*)
-      if [ -n "$rev" ] && [ "$rev" != "${arg#avx2@}" ]; then
+    *@*)
+      if [ -n "$spec_rev" ] && [ "$spec_rev" != "$arg" ]; then
         echo "kernel_ab.sh: one revision per run" >&2
         exit 2
       fi
-      rev=${arg#avx2@}
+      spec_rev=$arg
       ;;
   esac
 done
-if [ -n "$rev" ]; then
-  git -C "$root" show "$rev:csrc/core/block_avx2.c" |
-    sed 's/gefen_block_ops_avx2/gefen_block_ops_a/g' > "$out/table_a.c"
-  extra=("$out/table_a.c")
+if [ -n "$spec_rev" ]; then
+  . "$root/benchmarks/table_at_rev.sh"
+  table_at_rev "$root" "${spec_rev%%@*}" "${spec_rev#*@}" a "$out/a"
+  extra=("$out/a/table_a.c")
 fi
 gcc -std=c11 -O3 -ffp-contract=off -fopenmp -I "$root/csrc/core" \
   "$root/benchmarks/kernel_ab.c" "$root"/csrc/core/*.c ${extra[@]+"${extra[@]}"} -o "$out/kernel_ab" -lm

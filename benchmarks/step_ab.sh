@@ -16,31 +16,11 @@ case "$spec" in
   *@*) table=${spec%%@*} rev=${spec#*@} ;;
   *) table=avx2 rev=$spec ;;
 esac
-headers=()
-case "$table" in
-  avx2) ;;
-  avx512bf16 | avx512vbmi)
-    headers=(block_avx512_common.h block_avx512_kernels.h block_avx512vbmi_kernels.h) ;;
-  *)
-    echo "step_ab.sh: the table is avx2, avx512bf16 or avx512vbmi, not $table" >&2
-    exit 2 ;;
-esac
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# Each side's copy in a folder of its own, with the headers it includes by "...",
-# which the compiler looks for beside the including file first; the table's getter
-# (and the one other global of block_avx512vbmi.c) renamed _a / _b.
-rename() {
-  sed -e "s/gefen_block_ops_$table\b/gefen_block_ops_$1/g" \
-    -e "s/gefen_cpu_prefers_key_search\b/gefen_cpu_prefers_key_search_$1/g"
-}
-mkdir "$out/a" "$out/b"
-git -C "$root" show "$rev:csrc/core/block_$table.c" | rename a > "$out/a/table_a.c"
-rename b < "$root/csrc/core/block_$table.c" > "$out/b/table_b.c"
-for h in ${headers[@]+"${headers[@]}"}; do
-  git -C "$root" show "$rev:csrc/core/$h" > "$out/a/$h"
-  cp "$root/csrc/core/$h" "$out/b/$h"
-done
+. "$root/benchmarks/table_at_rev.sh"
+table_at_rev "$root" "$table" "$rev" a "$out/a"
+table_at_rev "$root" "$table" - b "$out/b"
 # one object per source, compiled side by side (the AVX-512 kernels take most of it)
 n=0
 pids=()

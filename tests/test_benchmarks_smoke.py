@@ -267,6 +267,10 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     r = subprocess.run([str(tmp_path / "kernel_ab"), "avx2@HEAD", "portable"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no other revision's table" in r.stderr
+    for spec in ("avx512@HEAD", "avx3@HEAD", "avx2@"):  # tables table_at_rev.sh does not take
+        r = subprocess.run([str(tmp_path / "kernel_ab"), spec, "portable"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "a version is" in r.stderr, (spec, r.stderr)
     with open(os.path.join(ROOT, "csrc", "core", "block_avx2.c")) as f:
         (tmp_path / "table_a.c").write_text(f.read().replace("gefen_block_ops_avx2",
                                                              "gefen_block_ops_a"))
@@ -326,7 +330,8 @@ def _check_step_ab(r):
 def test_step_ab_avx512_table_and_bad_table():
     """step_ab.sh avx512bf16@REV: the AVX-512 table's file and kernel headers of a
     revision against the working tree's (each side with its own headers); runs, or says
-    the CPU lacks it; an unknown table is refused before anything is built."""
+    the CPU lacks it; an unknown table is refused (by kernel_ab.sh too) before anything
+    is built."""
     if shutil.which("git") is None or subprocess.run(
         ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
     ).returncode != 0:
@@ -338,9 +343,10 @@ def test_step_ab_avx512_table_and_bad_table():
     _check_step_ab(r)
     if r.returncode == 0:
         assert "A = the avx512bf16 table at HEAD" in r.stdout
-    r = subprocess.run(["bash", os.path.join(BENCH, "step_ab.sh"), "avx3@HEAD"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "not avx3" in r.stderr, r.stderr
+    for script in ("step_ab.sh", "kernel_ab.sh"):  # refused before anything is built
+        r = subprocess.run(["bash", os.path.join(BENCH, script), "avx3@HEAD", "avx2"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "not avx3" in r.stderr, (script, r.stderr)
 
 
 def test_gpu_step_script_runs_its_rows_on_the_cpu(tmp_path):
