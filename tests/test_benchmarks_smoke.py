@@ -271,11 +271,12 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
         r = subprocess.run([str(tmp_path / "kernel_ab"), spec, "portable"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "a version is" in r.stderr, (spec, r.stderr)
-    with open(os.path.join(ROOT, "csrc", "core", "block_avx2.c")) as f:
-        (tmp_path / "table_a.c").write_text(f.read().replace("gefen_block_ops_avx2",
-                                                             "gefen_block_ops_a"))
+    r = subprocess.run(  # the working tree's table ("-": no git needed), as kernel_ab.sh
+        ["bash", "-c", '. "$0/table_at_rev.sh" && table_at_rev "$1" avx2 - a "$2"', BENCH,
+         ROOT, str(tmp_path / "rev")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run(
-        [_cc(), *flags, os.path.join(BENCH, "kernel_ab.c"), str(tmp_path / "table_a.c"),
+        [_cc(), *flags, os.path.join(BENCH, "kernel_ab.c"), str(tmp_path / "rev" / "table_a.c"),
          *objects, "-o", str(tmp_path / "kernel_ab_rev"), "-lm"],
         capture_output=True, text=True, timeout=600,
     )
@@ -297,16 +298,20 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
             assert r.stdout.count(what) == 1, what
 
 
+def _skip_unless_git_checkout():
+    """step_ab.sh reads a revision's kernels from git: skip outside a git checkout."""
+    if shutil.which("git") is None or subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
+    ).returncode != 0:
+        pytest.skip("not a git checkout: step_ab.sh reads a revision's kernels from git")
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc (step_ab.sh builds with gcc)")
 def test_step_ab_builds_and_runs():
     """step_ab.sh builds the AVX2 kernels of a git revision and of the working tree under
     two names into one program and times whole C phases with each: it must print one line
     per dtype and phase, or, on a CPU without AVX2, say so and exit with 1."""
-    in_git = shutil.which("git") is not None and subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
-    ).returncode == 0
-    if not in_git:
-        pytest.skip("not a git checkout: step_ab.sh reads a revision's kernels from git")
+    _skip_unless_git_checkout()
     r = subprocess.run(
         ["bash", os.path.join(BENCH, "step_ab.sh"), "HEAD", "64", "2", "1", "fp32,bf16",
          "stats,block,factored"], capture_output=True, text=True, timeout=600,
@@ -332,10 +337,7 @@ def test_step_ab_avx512_table_and_bad_table():
     revision against the working tree's (each side with its own headers); runs, or says
     the CPU lacks it; an unknown table is refused (by kernel_ab.sh too) before anything
     is built."""
-    if shutil.which("git") is None or subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "--verify", "HEAD"], capture_output=True
-    ).returncode != 0:
-        pytest.skip("not a git checkout: step_ab.sh reads a revision's kernels from git")
+    _skip_unless_git_checkout()
     r = subprocess.run(
         ["bash", os.path.join(BENCH, "step_ab.sh"), "avx512bf16@HEAD", "64", "2", "1",
          "fp32,bf16", "stats,block,factored"], capture_output=True, text=True, timeout=600,

@@ -408,15 +408,15 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
         double s1 = 0, s2 = 0;
         const float x1 = gefen_block_ops_scalar.adam_momentum(g, dt, 0, ka, q, 0.02f, 0.9f, 0.1f,
                                                               len, ma, fac ? NULL : &s1, 0);
-        const int kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK;
+        const gefen_sink_kind kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK;
         const float x2 = simd->adam_momentum(g, dt, 0, kb, q, 0.02f, 0.9f, 0.1f, len, mb,
-                                             fac ? NULL : &s2, kind);
-        gefen_sink sk = {.kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK,
+                                             fac ? NULL : &s2, (int)kind);
+        gefen_sink sk = {.kind = kind,
                          .out = qa, .out_dtype = dt, .s = 0.7f, .scol = scol, .inv_bc1 = 1.1f,
                          .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f};
         gefen_block_ops_scalar.requantize_apply(q, ma, x1, len, ka, &sk);
         sk.out = qb;
-        sk.packed = kind;
+        sk.packed = (int)kind;
         simd->requantize_apply(q, mb, x2, len, kb, &sk);
         CHECK(x1 == x2 && memcmp(&s1, &s2, sizeof s1) == 0,
               "%s: packed momentum: max %g vs %g, sum %.17g vs %.17g (dt %d len %lld)", name, x1,
