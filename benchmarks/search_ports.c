@@ -96,6 +96,30 @@ TARGET __attribute__((noinline)) static void decode_values(const gefen_quant_sea
   }
 }
 
+/* The counts of the 16-bit key search (all eight levels) for N keys, n vectors of 32
+ * keys per search step: n overlapping chains of (permute, compare into a mask, masked
+ * add). The kernels take 2 x KEY_GROUPS (block_avx512_kernels.h). */
+#define KEY_COUNTS(n)                                                                      \
+  TARGET __attribute__((noinline)) static void key_counts_##n(const key_tables *kt,       \
+                                                             const __m512i *q, __m512i *j) { \
+    for (int i = 0; i < N / 32; i += n) key_search(kt, n, q + i, j + i);                  \
+  }
+KEY_COUNTS(2)
+KEY_COUNTS(4)
+KEY_COUNTS(8)
+#undef KEY_COUNTS
+
+/* The key tables of the block and the keys of its N values. */
+TARGET __attribute__((noinline)) static void key_prepare(const float *scaled, float mx,
+                                                         const float *m, key_tables *kt,
+                                                         __m512i *keys) {
+  key_setup(scaled, mx, kt);
+  const __m512 vr = _mm512_set1_ps(kt->r);
+  for (int i = 0; i < N / 32; i++)
+    keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr),
+                                 key16(_mm512_loadu_ps(m + 32 * i + 16), vr));
+}
+
 TARGET __attribute__((noinline)) static void scaled_thresholds(const gefen_quant_search *s,
                                                                float mx, float *out) {
   scale_order(s, mx, out);
@@ -122,10 +146,14 @@ int main(int argc, char **argv) {
   }
   _Alignas(64) float scaled[GEFEN_SEARCH_ENTRIES];
   scaled_thresholds(&q->search, mx, scaled);
+  _Alignas(64) key_tables kt;
+  __m512i *keys = aligned_alloc(64, 2 * (N / 32) * sizeof(__m512i)), *counts = keys + N / 32;
+  if (!keys) return 1;
+  key_prepare(scaled, mx, m, &kt, keys);
   _Alignas(64) float seed[16]; /* the permutes' index: the bits of small floats */
   for (int i = 0; i < 16; i++) seed[i] = 1.0f + (float)i;
 
-  double cycle = 1e9, t_codes = 1e9, t_values = 1e9, t_decode = 1e9;
+  double cycle = 1e9, t_codes = 1e9, t_values = 1e9, t_decode = 1e9, t_keys[3] = {1e9, 1e9, 1e9};
   for (int r = 0; r < reps; r++) { /* interleaved, so that a drift of the clock hits all */
     const double c = port5_cycle(seed, 2000);
     double t0 = now();
@@ -137,6 +165,14 @@ int main(int argc, char **argv) {
     t0 = now();
     decode_values(&q->search, codes, m + N);
     const double d = now() - t0;
+    for (int k = 0; k < 3; k++) {
+      t0 = now();
+      if (k == 0) key_counts_2(&kt, keys, counts);
+      else if (k == 1) key_counts_4(&kt, keys, counts);
+      else key_counts_8(&kt, keys, counts);
+      const double e = now() - t0;
+      t_keys[k] = e < t_keys[k] ? e : t_keys[k];
+    }
     cycle = c < cycle ? c : cycle;
     t_codes = a < t_codes ? a : t_codes;
     t_values = b < t_values ? b : t_values;
@@ -150,9 +186,12 @@ int main(int argc, char **argv) {
   printf("  search, codes stored                 %6.1f\n", t_codes * per64);
   printf("  search, codes stored, values formed  %6.1f\n", t_values * per64);
   printf("  decode of stored codes               %6.1f\n", t_decode * per64);
+  printf("  16-bit key search (counts only), 2 / 4 / 8 chains of 32 keys: %.1f / %.1f / %.1f\n",
+         t_keys[0] * per64, t_keys[1] * per64, t_keys[2] * per64);
   gefen_quantizer_destroy(q);
   free(m);
   free(codes);
+  free(keys);
   return 0;
 }
 

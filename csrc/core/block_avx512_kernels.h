@@ -435,11 +435,21 @@ INLINE void key_setup(const float *t, float mx, key_tables *kt) {
   }
 }
 
+/* Groups of 64 per search step at most: 2 x KEY_GROUPS chains of 32 keys
+ * overlap. A level (permute, compare into a mask, masked add) is a chain of
+ * about 11 cycles on Zen 4, so a step of few chains waits on latency; with
+ * 8 chains instead of 4 the 16-bit block steps there took 4-10% less with
+ * two threads, fp32 the same (docs/performance.md, "The key search's
+ * chains"); 16 would not fit in the 32 vector registers. */
+#ifndef KEY_GROUPS
+#define KEY_GROUPS 4
+#endif
+
 /* The counts of keys below each of n x 32 keys q[] (bits reversed, as
  * search64), level by level over the n vectors so that their chains overlap. */
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j) {
   const int16_t *w = kt->key;
-  __mmask32 k7[4];
+  __mmask32 k7[2 * KEY_GROUPS];
   for (int v = 0; v < n; v++)
     j[v] = _mm512_maskz_mov_epi16(
         _mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)])), _mm512_set1_epi16(1));
@@ -470,7 +480,7 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
 INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
                         __m512i *codes_t) {
   const __m512 vr = _mm512_set1_ps(kt->r);
-  __m512i q[4], j[4];
+  __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
   for (int v = 0; v < 2 * g; v++)
     q[v] = _mm512_packs_epi32(key16(m[2 * v], vr), key16(m[2 * v + 1], vr));
@@ -604,18 +614,20 @@ INLINE void emit64(const gefen_quant_search *s, __m512i codes_t, float *m, __m51
   sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, c);
 }
 
-/* Two whole groups at j and j + 64 by the key search, their chains overlapping. */
-INLINE void requantize128_keys(const gefen_quant_search *s, const key_tables *kt, float *m,
-                               __m512 vmx, int64_t len, uint8_t *codes, const gefen_sink *sk,
-                               const gefen_sink_kind kind, const gefen_dtype dt,
-                               const gefen_dtype out_dt, int64_t j, const int packed) {
+/* G whole groups at j, j + 64, ... by the key search, their chains
+ * overlapping. */
+INLINE void requantize_keys(const gefen_quant_search *s, const key_tables *kt, const int G,
+                            float *m, __m512 vmx, int64_t len, uint8_t *codes,
+                            const gefen_sink *sk, const gefen_sink_kind kind,
+                            const gefen_dtype dt, const gefen_dtype out_dt, int64_t j,
+                            const int packed) {
   if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
-    gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 128);
-  __m512 u[8];
-  __m512i codes_t[2];
-  for (int v = 0; v < 8; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
-  key_codes_t(kt, 2, u, codes_t);
-  for (int h = 0; h < 2; h++)
+    gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64 * G);
+  __m512 u[4 * KEY_GROUPS];
+  __m512i codes_t[KEY_GROUPS];
+  for (int v = 0; v < 4 * G; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
+  key_codes_t(kt, G, u, codes_t);
+  for (int h = 0; h < G; h++)
     emit64(s, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0, packed);
 }
 #endif
@@ -698,9 +710,13 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   }
 #if KEY_SEARCH
 #define KEY_PAIRS(MODE)                                                                    \
-  if (MODE == BY_KEYS)                                                                     \
+  if (MODE == BY_KEYS) {                                                                   \
+    for (; j + 64 * KEY_GROUPS <= len; j += 64 * KEY_GROUPS)                               \
+      requantize_keys(s, kt, KEY_GROUPS, m, vmx, len, codes, sk, kind, dt, out_dt, j,      \
+                      packed);                                                             \
     for (; j + 128 <= len; j += 128)                                                       \
-    requantize128_keys(s, kt, m, vmx, len, codes, sk, kind, dt, out_dt, j, packed)
+      requantize_keys(s, kt, 2, m, vmx, len, codes, sk, kind, dt, out_dt, j, packed);      \
+  }
 #else
 #define KEY_PAIRS(MODE) (void)0
 #endif

@@ -548,7 +548,10 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
   const gefen_sink_kind kinds[4] = {GEFEN_SINK_M, GEFEN_SINK_ADAM_BLOCK,
                                     GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
   const float *bound_src = q->search.order;
-  for (int64_t len = 1; len <= MAXL; len = len < 130 ? len + 1 : len * 2 + 1) {
+  /* 1..130, then 261, 523, 709 (the key search's passes of four groups, then
+   * two, one and a partial one: 2 x 256 + 128 + 64 + 5), 1047, 2095 */
+  for (int64_t len = 1; len <= MAXL;
+       len = len < 130 ? len + 1 : len == 523 ? 709 : len == 709 ? 1047 : len * 2 + 1) {
     for (int variant = 0; variant < 6; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
