@@ -286,6 +286,18 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     if "has no avx2 table" not in r.stderr:  # (a CPU without AVX2)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "A = avx2@copy" in r.stdout and "outputs identical" in r.stdout
+    # zmm_costs: single instructions' costs where AVX-512 BW and VBMI run, one line
+    # saying why not elsewhere
+    r = subprocess.run([_cc(), "-O2", "-Wall", "-Werror", "-I", BENCH,
+                        os.path.join(BENCH, "zmm_costs.c"), "-o", str(tmp_path / "zmm_costs")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([str(tmp_path / "zmm_costs"), "2000"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if "nothing to measure" not in r.stdout:
+        for what in ("one cycle", "vpermt2w", "vdivps", "key search level, 8 chains"):
+            assert what in r.stdout, what
     # search_ports: the search's stages in cycles of port 5 where the VBMI kernels run,
     # one line saying why not elsewhere
     r = subprocess.run([str(tmp_path / "search_ports"), "3"], capture_output=True, text=True,

@@ -1,0 +1,128 @@
+/* What one 512-bit instruction costs on this CPU: throughput of eight independent
+ * instructions (cycles per instruction), and the latency of a permute and of one level
+ * of the 16-bit key search (permute, compare into a mask, masked add), in cycles of
+ * this CPU's clock measured as search_ports does (eight independent vpermps zmm: one
+ * per cycle on the CPUs measured, Sapphire Rapids and Zen 4). Inputs are normal
+ * floats (a subnormal one slows vdivps down by half again on Zen 4). The numbers behind
+ * docs/performance.md, "The key search's chains". Written in assembly so that the
+ * counts do not depend on the compiler.
+ *
+ *   gcc -O2 benchmarks/zmm_costs.c -o zmm_costs && ./zmm_costs [iterations]
+ *
+ * Prints a line and exits 0 on a CPU without AVX-512 BW and VBMI, or on a compiler or
+ * machine other than GCC/Clang on x86-64. */
+#define _POSIX_C_SOURCE 199309L
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "bench_clock.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+/* Eight copies of one instruction on independent registers (inputs zmm1-zmm9, outputs
+ * zmm10-zmm17, masks k1-k7), n times; seconds per instruction. */
+#define EIGHT(I) I(2, 10, 1) I(3, 11, 2) I(4, 12, 3) I(5, 13, 4) I(6, 14, 5) I(7, 15, 6) I(8, 16, 7) I(9, 17, 1)
+#define STR(x) #x
+#define RUN(NAME, BODY)                                                                   \
+  __attribute__((noinline, target("avx512f,avx512bw,avx512vbmi"))) static double NAME(    \
+      long n) {                                                                           \
+    const double t0 = now();                                                              \
+    __asm__ volatile(                                                                     \
+        "vpternlogd $0xff, %%zmm1, %%zmm1, %%zmm1\n\t"                                    \
+        "vpsrld $2, %%zmm1, %%zmm1\n\t" /* 0x3fffffff: 2 - 2^-23, a normal float */ \
+        "vmovdqa64 %%zmm1, %%zmm2\n\tvmovdqa64 %%zmm1, %%zmm3\n\t"                        \
+        "vmovdqa64 %%zmm1, %%zmm4\n\tvmovdqa64 %%zmm1, %%zmm5\n\t"                        \
+        "vmovdqa64 %%zmm1, %%zmm6\n\tvmovdqa64 %%zmm1, %%zmm7\n\t"                        \
+        "vmovdqa64 %%zmm1, %%zmm8\n\tvmovdqa64 %%zmm1, %%zmm9\n\t"                        \
+        "1:\n\t" BODY "dec %0\n\tjnz 1b"                                                  \
+        : "+r"(n)                                                                         \
+        :                                                                                 \
+        : "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+          "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "k1", "k2", "k3", \
+          "k4", "k5", "k6", "cc");                                                        \
+    return now() - t0;                                                                    \
+  }
+
+#define I_PERMPS(a, d, k) "vpermps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_PERMW(a, d, k) "vpermw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_PERMB(a, d, k) "vpermb %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_PERMT2W(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpermt2w %%zmm" STR(a) ", %%zmm2, %%zmm" STR(d) "\n\t"
+#define I_PERMT2B(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpermt2b %%zmm" STR(a) ", %%zmm2, %%zmm" STR(d) "\n\t"
+#define I_CMPW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(a) ", %%k" STR(k) "\n\t"
+#define I_MADDW(a, d, k) "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "%{%%k" STR(k) "%}\n\t"
+#define I_MULPS(a, d, k) "vmulps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_ADDPS(a, d, k) "vaddps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_DIVPS(a, d, k) "vdivps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_SQRTPS(a, d, k) "vsqrtps %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_CVTPS2PH(a, d, k) "vcvtps2ph $4, %%zmm" STR(a) ", %%ymm" STR(d) "\n\t"
+#define I_CVTPH2PS(a, d, k) "vcvtph2ps %%ymm" STR(a) ", %%zmm" STR(d) "\n\t"
+/* a level of the key search, its three instructions on the eight chains' registers */
+#define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
+  "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
+
+RUN(t_permps, EIGHT(I_PERMPS))
+RUN(t_permw, EIGHT(I_PERMW))
+RUN(t_permb, EIGHT(I_PERMB))
+RUN(t_permt2w, EIGHT(I_PERMT2W))
+RUN(t_permt2b, EIGHT(I_PERMT2B))
+RUN(t_cmpw, EIGHT(I_CMPW))
+RUN(t_maddw, EIGHT(I_MADDW))
+RUN(t_mulps, EIGHT(I_MULPS))
+RUN(t_addps, EIGHT(I_ADDPS))
+RUN(t_divps, EIGHT(I_DIVPS))
+RUN(t_sqrtps, EIGHT(I_SQRTPS))
+RUN(t_cvtps2ph, EIGHT(I_CVTPS2PH))
+RUN(t_cvtph2ps, EIGHT(I_CVTPH2PS))
+/* chains: the output is the next input */
+RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
+RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
+             "vpaddw %%zmm1, %%zmm2, %%zmm2%{%%k1%}\n\t")
+RUN(l_levels8, EIGHT(I_LEVEL))
+
+typedef double (*timed)(long);
+
+/* The best of reps runs of f(n), seconds per unit (n x per units a run). */
+static double best(timed f, long n, int per, int reps) {
+  double b = 1e30;
+  for (int r = 0; r < reps; r++) {
+    const double t = f(n);
+    b = t < b ? t : b;
+  }
+  return b / ((double)n * per);
+}
+
+int main(int argc, char **argv) {
+  const long n = argc > 1 ? atol(argv[1]) : 2000000;
+  __builtin_cpu_init();
+  if (n < 1 || !__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vbmi")) {
+    printf("zmm_costs: this CPU has no AVX-512 BW with VBMI; nothing to measure\n");
+    return 0;
+  }
+  const double cycle = best(t_permps, n, 8, 5);
+  printf("one cycle (vpermps zmm, 8 independent): %.4f ns (%.2f GHz)\n", cycle * 1e9, 1e-9 / cycle);
+  const struct { const char *name; timed f; int per; } tp[] = {
+      {"vpermps", t_permps, 8},     {"vpermw", t_permw, 8},       {"vpermb", t_permb, 8},
+      {"vpermt2w (+ a copy)", t_permt2w, 8}, {"vpermt2b (+ a copy)", t_permt2b, 8},
+      {"vpcmpgtw into a mask", t_cmpw, 8},   {"vpaddw masked", t_maddw, 8},
+      {"vmulps", t_mulps, 8},       {"vaddps", t_addps, 8},       {"vdivps", t_divps, 8},
+      {"vsqrtps", t_sqrtps, 8},     {"vcvtps2ph", t_cvtps2ph, 8}, {"vcvtph2ps", t_cvtph2ps, 8},
+  };
+  printf("throughput, cycles per instruction (8 independent, zmm):\n");
+  for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)
+    printf("  %-24s %6.2f\n", tp[i].name, best(tp[i].f, n, tp[i].per, 5) / cycle);
+  printf("latency, cycles:\n");
+  printf("  %-24s %6.2f\n", "vpermw (index to result)", best(l_permw, n, 1, 5) / cycle);
+  printf("  %-24s %6.2f\n", "key search level", best(l_level, n, 1, 5) / cycle);
+  printf("key search level, 8 chains: %.2f cycles per level and 32 keys\n",
+         best(l_levels8, n, 8, 5) / cycle);
+  return 0;
+}
+
+#else
+
+int main(void) {
+  printf("zmm_costs: built for another machine or compiler; nothing to measure\n");
+  return 0;
+}
+
+#endif
