@@ -56,6 +56,15 @@
 #define I_SQRTPS(a, d, k) "vsqrtps %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_CVTPS2PH(a, d, k) "vcvtps2ph $4, %%zmm" STR(a) ", %%ymm" STR(d) "\n\t"
 #define I_CVTPH2PS(a, d, k) "vcvtph2ps %%ymm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_CVTPS2PD(a, d, k) "vcvtps2pd %%ymm" STR(a) ", %%zmm" STR(d) "\n\t"
+/* pairs, eight of each interleaved: a pair's cycles per instruction near the slower
+ * one's alone means they issue side by side, near the sum of the two that they share
+ * a pipe */
+#define I_PERMW_MULPS(a, d, k) I_PERMW(a, d, k) I_MULPS(a, d, k)
+#define I_PERMW_ADDPS(a, d, k) I_PERMW(a, d, k) I_ADDPS(a, d, k)
+#define I_MULPS_ADDPS(a, d, k) I_MULPS(a, d, k) I_ADDPS(a, d, k)
+#define I_PERMW_CVTPS2PD(a, d, k) I_PERMW(a, d, k) I_CVTPS2PD(a, d, k)
+#define I_ADDPS_CVTPS2PD(a, d, k) I_ADDPS(a, d, k) I_CVTPS2PD(a, d, k)
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
@@ -73,6 +82,12 @@ RUN(t_divps, EIGHT(I_DIVPS))
 RUN(t_sqrtps, EIGHT(I_SQRTPS))
 RUN(t_cvtps2ph, EIGHT(I_CVTPS2PH))
 RUN(t_cvtph2ps, EIGHT(I_CVTPH2PS))
+RUN(t_cvtps2pd, EIGHT(I_CVTPS2PD))
+RUN(t_permw_mulps, EIGHT(I_PERMW_MULPS))
+RUN(t_permw_addps, EIGHT(I_PERMW_ADDPS))
+RUN(t_mulps_addps, EIGHT(I_MULPS_ADDPS))
+RUN(t_permw_cvtps2pd, EIGHT(I_PERMW_CVTPS2PD))
+RUN(t_addps_cvtps2pd, EIGHT(I_ADDPS_CVTPS2PD))
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
@@ -106,13 +121,18 @@ int main(int argc, char **argv) {
       {"vpcmpgtw into a mask", t_cmpw, 8},   {"vpaddw masked", t_maddw, 8},
       {"vmulps", t_mulps, 8},       {"vaddps", t_addps, 8},       {"vdivps", t_divps, 8},
       {"vsqrtps", t_sqrtps, 8},     {"vcvtps2ph", t_cvtps2ph, 8}, {"vcvtph2ps", t_cvtph2ps, 8},
+      {"vcvtps2pd", t_cvtps2pd, 8},
+      {"pairs: vpermw + vmulps", t_permw_mulps, 16}, {"pairs: vpermw + vaddps", t_permw_addps, 16},
+      {"pairs: vmulps + vaddps", t_mulps_addps, 16},
+      {"pairs: vpermw + vcvtps2pd", t_permw_cvtps2pd, 16},
+      {"pairs: vaddps + vcvtps2pd", t_addps_cvtps2pd, 16},
   };
   printf("throughput, cycles per instruction (8 independent, zmm):\n");
   for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)
-    printf("  %-24s %6.2f\n", tp[i].name, best(tp[i].f, n, tp[i].per, 5) / cycle);
+    printf("  %-28s %6.2f\n", tp[i].name, best(tp[i].f, n, tp[i].per, 5) / cycle);
   printf("latency, cycles:\n");
-  printf("  %-24s %6.2f\n", "vpermw (index to result)", best(l_permw, n, 1, 5) / cycle);
-  printf("  %-24s %6.2f\n", "key search level", best(l_level, n, 1, 5) / cycle);
+  printf("  %-28s %6.2f\n", "vpermw (index to result)", best(l_permw, n, 1, 5) / cycle);
+  printf("  %-28s %6.2f\n", "key search level", best(l_level, n, 1, 5) / cycle);
   printf("key search level, 8 chains: %.2f cycles per level and 32 keys\n",
          best(l_levels8, n, 8, 5) / cycle);
   return 0;
