@@ -444,6 +444,8 @@ INLINE void key_setup(const float *t, float mx, key_tables *kt) {
 #ifndef KEY_GROUPS
 #define KEY_GROUPS 4
 #endif
+_Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
+               "KEY_GROUPS: 2 to 4 groups (the passes of two groups share its arrays)");
 
 /* The counts of keys below each of n x 32 keys q[] (bits reversed, as
  * search64), level by level over the n vectors so that their chains overlap. */
@@ -709,7 +711,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
 #endif
   }
 #if KEY_SEARCH
-#define KEY_PAIRS(MODE)                                                                    \
+#define KEY_PASSES(MODE)                                                                   \
   if (MODE == BY_KEYS) {                                                                   \
     for (; j + 64 * KEY_GROUPS <= len; j += 64 * KEY_GROUPS)                               \
       requantize_keys(s, kt, KEY_GROUPS, m, vmx, len, codes, sk, kind, dt, out_dt, j,      \
@@ -718,12 +720,12 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
       requantize_keys(s, kt, 2, m, vmx, len, codes, sk, kind, dt, out_dt, j, packed);      \
   }
 #else
-#define KEY_PAIRS(MODE) (void)0
+#define KEY_PASSES(MODE) (void)0
 #endif
 #define PASS(MODE)                                                                          \
   do {                                                                                      \
     int64_t j = 0;                                                                          \
-    KEY_PAIRS(MODE);                                                                        \
+    KEY_PASSES(MODE);                                                                       \
     for (; j + 64 <= len; j += 64)                                                          \
       requantize64(s, order, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
                    ~(__mmask64)0, packed);                                                  \
@@ -743,7 +745,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
   else
     PASS(BY_ZERO);
 #undef PASS
-#undef KEY_PAIRS
+#undef KEY_PASSES
 }
 
 TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
