@@ -1,11 +1,11 @@
 /* What one 512-bit instruction costs on this CPU: throughput of eight independent
  * instructions (cycles per instruction), and the latency of a permute and of one level
  * of the 16-bit key search (permute, compare into a mask, masked add), in cycles of
- * this CPU's clock measured as search_ports does (eight independent vpermps zmm: one
+ * this CPU's clock measured as search_ports does (vpermps zmm, eight at a time: one
  * per cycle on the CPUs measured, Sapphire Rapids and Zen 4). Inputs are normal
- * floats (a subnormal one slows vdivps down by half again on Zen 4). The numbers behind
- * docs/performance.md, "The key search's chains". Written in assembly so that the
- * counts do not depend on the compiler.
+ * floats (a subnormal one made vdivps about three quarters slower on Zen 4). The
+ * numbers behind docs/performance.md, "The key search's chains". Written in assembly
+ * so that the counts do not depend on the compiler.
  *
  *   gcc -O2 benchmarks/zmm_costs.c -o zmm_costs && ./zmm_costs [iterations]
  *
@@ -39,7 +39,7 @@
         :                                                                                 \
         : "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
           "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "k1", "k2", "k3", \
-          "k4", "k5", "k6", "cc");                                                        \
+          "k4", "k5", "k6", "k7", "cc");                                                        \
     return now() - t0;                                                                    \
   }
 
