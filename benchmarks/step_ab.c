@@ -12,7 +12,9 @@
  *   bash benchmarks/step_ab.sh [TABLE@]REV [d] [rounds] [threads] [dtypes] [phases]
  *     A: the table (avx2, avx512bf16 or avx512vbmi) at git revision REV, B: the
  *     working tree's
- *     phases: block (block-form update), factored (statistics + update), stats
+ *     phases: block (block-form update), factored (statistics + update), stats,
+ *     once (the factored step reading the gradient once: momentum_in_stats, one
+ *     gefen_adam_step call)
  *     defaults: d 2048 (16.8M), 12 rounds, 2 threads, fp32,bf16,fp16, stats,block,factored
  *
  * Needs a CPU with the table (it refuses otherwise). */
@@ -23,8 +25,8 @@
 const gefen_block_ops *gefen_block_ops_a(void);
 const gefen_block_ops *gefen_block_ops_b(void);
 
-enum { PHASE_BLOCK, PHASE_FACTORED, PHASE_STATS, N_PHASES };
-static const char *phase_names[N_PHASES] = {"block", "factored", "stats"};
+enum { PHASE_BLOCK, PHASE_FACTORED, PHASE_STATS, PHASE_ONCE, N_PHASES };
+static const char *phase_names[N_PHASES] = {"block", "factored", "stats", "once"};
 
 /* The best of 3 calls of one phase with ops (steps from *step on). */
 static double best_of_3(const param_set *s, const gefen_quantizer *q, const gefen_block_ops *ops,
@@ -34,11 +36,17 @@ static double best_of_3(const param_set *s, const gefen_quantizer *q, const gefe
   double best = 1e30;
   for (int k = 0; k < 3; k++) {
     adam_items(s, phase != PHASE_BLOCK, (*step)++, it);
+    if (phase == PHASE_ONCE)
+      for (int t = 0; t < N_TENSORS; t++) it[t].momentum_in_stats = 1; /* block items ignore it */
     const double t0 = now();
     gefen_status st = GEFEN_OK;
-    if (phase != PHASE_BLOCK) st = gefen_adam_factored_stats_with(ops, it, N_TENSORS, q, nt, &err);
-    if (st == GEFEN_OK && phase != PHASE_STATS)
-      st = gefen_adam_update_with(ops, it, N_TENSORS, q, nt, &err);
+    if (phase == PHASE_ONCE) {
+      st = gefen_adam_step_with(ops, it, N_TENSORS, q, nt, &err);
+    } else {
+      if (phase != PHASE_BLOCK) st = gefen_adam_factored_stats_with(ops, it, N_TENSORS, q, nt, &err);
+      if (st == GEFEN_OK && phase != PHASE_STATS)
+        st = gefen_adam_update_with(ops, it, N_TENSORS, q, nt, &err);
+    }
     const double t = now() - t0;
     if (st != GEFEN_OK) {
       fprintf(stderr, "step failed: %s\n", err.msg);

@@ -65,6 +65,15 @@
 #define I_MULPS_ADDPS(a, d, k) I_MULPS(a, d, k) I_ADDPS(a, d, k)
 #define I_PERMW_CVTPS2PD(a, d, k) I_PERMW(a, d, k) I_CVTPS2PD(a, d, k)
 #define I_ADDPS_CVTPS2PD(a, d, k) I_ADDPS(a, d, k) I_CVTPS2PD(a, d, k)
+#define I_PSLLD(a, d, k) "vpslld $13, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_PANDD(a, d, k) "vpandd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_TERNLOG(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpternlogd $0xf8, %%zmm2, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_PERMW_CVTPH2PS(a, d, k) I_PERMW(a, d, k) I_CVTPH2PS(a, d, k)
+#define I_PERMW_CVTPS2PH(a, d, k) I_PERMW(a, d, k) I_CVTPS2PH(a, d, k)
+#define I_PERMW_PSLLD(a, d, k) I_PERMW(a, d, k) I_PSLLD(a, d, k)
+#define I_PERMW_PANDD(a, d, k) I_PERMW(a, d, k) I_PANDD(a, d, k)
+#define I_MULPS_PSLLD(a, d, k) I_MULPS(a, d, k) I_PSLLD(a, d, k)
+#define I_ADDPS_PSLLD(a, d, k) I_ADDPS(a, d, k) I_PSLLD(a, d, k)
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
@@ -88,6 +97,15 @@ RUN(t_permw_addps, EIGHT(I_PERMW_ADDPS))
 RUN(t_mulps_addps, EIGHT(I_MULPS_ADDPS))
 RUN(t_permw_cvtps2pd, EIGHT(I_PERMW_CVTPS2PD))
 RUN(t_addps_cvtps2pd, EIGHT(I_ADDPS_CVTPS2PD))
+RUN(t_pslld, EIGHT(I_PSLLD))
+RUN(t_pandd, EIGHT(I_PANDD))
+RUN(t_ternlog, EIGHT(I_TERNLOG))
+RUN(t_permw_cvtph2ps, EIGHT(I_PERMW_CVTPH2PS))
+RUN(t_permw_cvtps2ph, EIGHT(I_PERMW_CVTPS2PH))
+RUN(t_permw_pslld, EIGHT(I_PERMW_PSLLD))
+RUN(t_permw_pandd, EIGHT(I_PERMW_PANDD))
+RUN(t_mulps_pslld, EIGHT(I_MULPS_PSLLD))
+RUN(t_addps_pslld, EIGHT(I_ADDPS_PSLLD))
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
@@ -126,6 +144,13 @@ int main(int argc, char **argv) {
       {"pairs: vmulps + vaddps", t_mulps_addps, 16},
       {"pairs: vpermw + vcvtps2pd", t_permw_cvtps2pd, 16},
       {"pairs: vaddps + vcvtps2pd", t_addps_cvtps2pd, 16},
+      {"vpslld", t_pslld, 8}, {"vpandd", t_pandd, 8}, {"vpternlogd (+ a copy)", t_ternlog, 8},
+      {"pairs: vpermw + vcvtph2ps", t_permw_cvtph2ps, 16},
+      {"pairs: vpermw + vcvtps2ph", t_permw_cvtps2ph, 16},
+      {"pairs: vpermw + vpslld", t_permw_pslld, 16},
+      {"pairs: vpermw + vpandd", t_permw_pandd, 16},
+      {"pairs: vmulps + vpslld", t_mulps_pslld, 16},
+      {"pairs: vaddps + vpslld", t_addps_pslld, 16},
   };
   printf("throughput, cycles per instruction (8 independent, zmm):\n");
   for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)

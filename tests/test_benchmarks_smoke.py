@@ -327,19 +327,19 @@ def test_step_ab_builds_and_runs():
     _skip_unless_git_checkout()
     r = subprocess.run(
         ["bash", os.path.join(BENCH, "step_ab.sh"), "HEAD", "64", "2", "1", "fp32,bf16",
-         "stats,block,factored"], capture_output=True, text=True, timeout=600,
+         "stats,block,factored,once"], capture_output=True, text=True, timeout=600,
     )
-    _check_step_ab(r)
+    _check_step_ab(r, ("block", "factored", "stats", "once"))
 
 
-def _check_step_ab(r):
+def _check_step_ab(r, phases=("block", "factored", "stats")):
     """One line per dtype and phase, or the refusal of a CPU without the table."""
     if "this CPU lacks the table" in r.stderr:
         assert r.returncode == 1
         return
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for dtype in ("fp32", "bf16"):
-        for phase in ("block", "factored", "stats"):
+        for phase in phases:
             pattern = rf"d=64 {dtype} {phase} +1 thread\(s\): A +[0-9.]+ ms +B +[0-9.]+ ms +B/A-1"
             assert len(re.findall(pattern, r.stdout)) == 1, (dtype, phase, r.stdout)
 

@@ -425,6 +425,25 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
               "%s: packed %s step: %s differ (dt %d len %lld)", name, fac ? "factored" : "block",
               memcmp(ka, kb, (size_t)len) ? "codes" : "parameters", dt, (long long)len);
       }
+      /* the stored codes decoded to a block and a factored Adam sink (the
+       * factored form's read-once phase 2), with and without packed (which
+       * dequantize_apply may use inside the call): the portable bits */
+      for (int fac = 0; fac < 2; fac++)
+        for (int packed = 0; packed < 2; packed++) {
+          static uint8_t qa[4 * MAXL], qb[4 * MAXL];
+          memcpy(qa, pa, esz * (size_t)len);
+          memcpy(qb, pa, esz * (size_t)len);
+          const gefen_sink_kind kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK;
+          gefen_sink sk = {.kind = kind, .out = qa, .out_dtype = dt, .s = 0.7f, .scol = scol,
+                           .inv_bc1 = 1.1f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f};
+          gefen_block_ops_scalar.dequantize_apply(q, codes, 0.02f, len, m3, &sk);
+          sk.out = qb;
+          sk.packed = packed ? (int)kind : 0;
+          simd->dequantize_apply(q, codes, 0.02f, len, m3, &sk);
+          CHECK(memcmp(qa, qb, esz * (size_t)len) == 0,
+                "%s: dequantize_apply to a %s sink%s differs (dt %d len %lld)", name,
+                fac ? "factored" : "block", packed ? " (packed)" : "", dt, (long long)len);
+        }
       gefen_block_ops_scalar.requantize(q, m1, mx1, len, c1);
       simd->requantize(q, m2, mx2, len, c2);
       CHECK(memcmp(c1, c2, (size_t)len) == 0, "%s: codes differ (dt %d len %lld)", name, dt,
