@@ -6,6 +6,8 @@
 #   bash benchmarks/kernel_ab.sh avx2@HEAD avx2      # a revision's AVX2 kernels (from git)
 #                                                    # against the working tree's
 #   bash benchmarks/kernel_ab.sh avx512bf16@HEAD avx512bf16   # the same for an AVX-512 table
+#   KERNEL_AB_UNCHECKED=1 bash benchmarks/kernel_ab.sh ...    # time versions whose outputs
+#                                                    # differ (an upper bound; it says so)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mktemp -d)

@@ -68,6 +68,10 @@
 #define I_PSLLD(a, d, k) "vpslld $13, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_PANDD(a, d, k) "vpandd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_TERNLOG(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpternlogd $0xf8, %%zmm2, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_BLENDW(a, d, k) "vpblendmw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "%{%%k" STR(k) "%}\n\t"
+#define I_PERMW_BLENDW(a, d, k) I_PERMW(a, d, k) I_BLENDW(a, d, k)
+#define I_MULPS_BLENDW(a, d, k) I_MULPS(a, d, k) I_BLENDW(a, d, k)
+#define I_ADDPS_BLENDW(a, d, k) I_ADDPS(a, d, k) I_BLENDW(a, d, k)
 #define I_PERMW_CVTPH2PS(a, d, k) I_PERMW(a, d, k) I_CVTPH2PS(a, d, k)
 #define I_PERMW_CVTPS2PH(a, d, k) I_PERMW(a, d, k) I_CVTPS2PH(a, d, k)
 #define I_PERMW_PSLLD(a, d, k) I_PERMW(a, d, k) I_PSLLD(a, d, k)
@@ -100,6 +104,10 @@ RUN(t_addps_cvtps2pd, EIGHT(I_ADDPS_CVTPS2PD))
 RUN(t_pslld, EIGHT(I_PSLLD))
 RUN(t_pandd, EIGHT(I_PANDD))
 RUN(t_ternlog, EIGHT(I_TERNLOG))
+RUN(t_blendw, EIGHT(I_BLENDW))
+RUN(t_permw_blendw, EIGHT(I_PERMW_BLENDW))
+RUN(t_mulps_blendw, EIGHT(I_MULPS_BLENDW))
+RUN(t_addps_blendw, EIGHT(I_ADDPS_BLENDW))
 RUN(t_permw_cvtph2ps, EIGHT(I_PERMW_CVTPH2PS))
 RUN(t_permw_cvtps2ph, EIGHT(I_PERMW_CVTPS2PH))
 RUN(t_permw_pslld, EIGHT(I_PERMW_PSLLD))
@@ -145,6 +153,10 @@ int main(int argc, char **argv) {
       {"pairs: vpermw + vcvtps2pd", t_permw_cvtps2pd, 16},
       {"pairs: vaddps + vcvtps2pd", t_addps_cvtps2pd, 16},
       {"vpslld", t_pslld, 8}, {"vpandd", t_pandd, 8}, {"vpternlogd (+ a copy)", t_ternlog, 8},
+      {"vpblendmw", t_blendw, 8},
+      {"pairs: vpermw + vpblendmw", t_permw_blendw, 16},
+      {"pairs: vmulps + vpblendmw", t_mulps_blendw, 16},
+      {"pairs: vaddps + vpblendmw", t_addps_blendw, 16},
       {"pairs: vpermw + vcvtph2ps", t_permw_cvtph2ps, 16},
       {"pairs: vpermw + vcvtps2ph", t_permw_cvtps2ph, 16},
       {"pairs: vpermw + vpslld", t_permw_pslld, 16},
