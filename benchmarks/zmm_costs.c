@@ -72,6 +72,12 @@
 #define I_PERMW_BLENDW(a, d, k) I_PERMW(a, d, k) I_BLENDW(a, d, k)
 #define I_MULPS_BLENDW(a, d, k) I_MULPS(a, d, k) I_BLENDW(a, d, k)
 #define I_ADDPS_BLENDW(a, d, k) I_ADDPS(a, d, k) I_BLENDW(a, d, k)
+#define I_ANDPS(a, d, k) "vandps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_MULPS_ANDPS(a, d, k) I_MULPS(a, d, k) I_ANDPS(a, d, k)
+#define I_ADDPS_ANDPS(a, d, k) I_ADDPS(a, d, k) I_ANDPS(a, d, k)
+#define I_PERMW_ANDPS(a, d, k) I_PERMW(a, d, k) I_ANDPS(a, d, k)
+#define I_ADDPS_PANDD(a, d, k) I_ADDPS(a, d, k) I_PANDD(a, d, k)
+#define I_MULPS_PANDD(a, d, k) I_MULPS(a, d, k) I_PANDD(a, d, k)
 #define I_PERMW_CVTPH2PS(a, d, k) I_PERMW(a, d, k) I_CVTPH2PS(a, d, k)
 #define I_PERMW_CVTPS2PH(a, d, k) I_PERMW(a, d, k) I_CVTPS2PH(a, d, k)
 #define I_PERMW_PSLLD(a, d, k) I_PERMW(a, d, k) I_PSLLD(a, d, k)
@@ -104,6 +110,12 @@ RUN(t_addps_cvtps2pd, EIGHT(I_ADDPS_CVTPS2PD))
 RUN(t_pslld, EIGHT(I_PSLLD))
 RUN(t_pandd, EIGHT(I_PANDD))
 RUN(t_ternlog, EIGHT(I_TERNLOG))
+RUN(t_andps, EIGHT(I_ANDPS))
+RUN(t_mulps_andps, EIGHT(I_MULPS_ANDPS))
+RUN(t_addps_andps, EIGHT(I_ADDPS_ANDPS))
+RUN(t_permw_andps, EIGHT(I_PERMW_ANDPS))
+RUN(t_addps_pandd, EIGHT(I_ADDPS_PANDD))
+RUN(t_mulps_pandd, EIGHT(I_MULPS_PANDD))
 RUN(t_blendw, EIGHT(I_BLENDW))
 RUN(t_permw_blendw, EIGHT(I_PERMW_BLENDW))
 RUN(t_mulps_blendw, EIGHT(I_MULPS_BLENDW))
@@ -153,6 +165,12 @@ int main(int argc, char **argv) {
       {"pairs: vpermw + vcvtps2pd", t_permw_cvtps2pd, 16},
       {"pairs: vaddps + vcvtps2pd", t_addps_cvtps2pd, 16},
       {"vpslld", t_pslld, 8}, {"vpandd", t_pandd, 8}, {"vpternlogd (+ a copy)", t_ternlog, 8},
+      {"vandps", t_andps, 8},
+      {"pairs: vmulps + vandps", t_mulps_andps, 16},
+      {"pairs: vaddps + vandps", t_addps_andps, 16},
+      {"pairs: vpermw + vandps", t_permw_andps, 16},
+      {"pairs: vmulps + vpandd", t_mulps_pandd, 16},
+      {"pairs: vaddps + vpandd", t_addps_pandd, 16},
       {"vpblendmw", t_blendw, 8},
       {"pairs: vpermw + vpblendmw", t_permw_blendw, 16},
       {"pairs: vmulps + vpblendmw", t_mulps_blendw, 16},
