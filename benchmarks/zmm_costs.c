@@ -22,6 +22,12 @@
 /* Eight copies of one instruction on independent registers (inputs zmm1-zmm9, outputs
  * zmm10-zmm17, masks k1-k7), n times; seconds per instruction. */
 #define EIGHT(I) I(2, 10, 1) I(3, 11, 2) I(4, 12, 3) I(5, 13, 4) I(6, 14, 5) I(7, 15, 6) I(8, 16, 7) I(9, 17, 1)
+/* The same for two instructions interleaved, eight of each: a pair's cycles per
+ * instruction near the slower one's alone means they issue side by side, near the sum
+ * of the two that they share a pipe. */
+#define EIGHT2(I, J) I(2, 10, 1) J(2, 10, 1) I(3, 11, 2) J(3, 11, 2) I(4, 12, 3) J(4, 12, 3) \
+  I(5, 13, 4) J(5, 13, 4) I(6, 14, 5) J(6, 14, 5) I(7, 15, 6) J(7, 15, 6) I(8, 16, 7) J(8, 16, 7) \
+  I(9, 17, 1) J(9, 17, 1)
 #define STR(x) #x
 #define RUN(NAME, BODY)                                                                   \
   __attribute__((noinline, target("avx512f,avx512bw,avx512vbmi"))) static double NAME(    \
@@ -57,33 +63,11 @@
 #define I_CVTPS2PH(a, d, k) "vcvtps2ph $4, %%zmm" STR(a) ", %%ymm" STR(d) "\n\t"
 #define I_CVTPH2PS(a, d, k) "vcvtph2ps %%ymm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_CVTPS2PD(a, d, k) "vcvtps2pd %%ymm" STR(a) ", %%zmm" STR(d) "\n\t"
-/* pairs, eight of each interleaved: a pair's cycles per instruction near the slower
- * one's alone means they issue side by side, near the sum of the two that they share
- * a pipe */
-#define I_PERMW_MULPS(a, d, k) I_PERMW(a, d, k) I_MULPS(a, d, k)
-#define I_PERMW_ADDPS(a, d, k) I_PERMW(a, d, k) I_ADDPS(a, d, k)
-#define I_MULPS_ADDPS(a, d, k) I_MULPS(a, d, k) I_ADDPS(a, d, k)
-#define I_PERMW_CVTPS2PD(a, d, k) I_PERMW(a, d, k) I_CVTPS2PD(a, d, k)
-#define I_ADDPS_CVTPS2PD(a, d, k) I_ADDPS(a, d, k) I_CVTPS2PD(a, d, k)
 #define I_PSLLD(a, d, k) "vpslld $13, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_PANDD(a, d, k) "vpandd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_TERNLOG(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpternlogd $0xf8, %%zmm2, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_BLENDW(a, d, k) "vpblendmw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "%{%%k" STR(k) "%}\n\t"
-#define I_PERMW_BLENDW(a, d, k) I_PERMW(a, d, k) I_BLENDW(a, d, k)
-#define I_MULPS_BLENDW(a, d, k) I_MULPS(a, d, k) I_BLENDW(a, d, k)
-#define I_ADDPS_BLENDW(a, d, k) I_ADDPS(a, d, k) I_BLENDW(a, d, k)
 #define I_ANDPS(a, d, k) "vandps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
-#define I_MULPS_ANDPS(a, d, k) I_MULPS(a, d, k) I_ANDPS(a, d, k)
-#define I_ADDPS_ANDPS(a, d, k) I_ADDPS(a, d, k) I_ANDPS(a, d, k)
-#define I_PERMW_ANDPS(a, d, k) I_PERMW(a, d, k) I_ANDPS(a, d, k)
-#define I_ADDPS_PANDD(a, d, k) I_ADDPS(a, d, k) I_PANDD(a, d, k)
-#define I_MULPS_PANDD(a, d, k) I_MULPS(a, d, k) I_PANDD(a, d, k)
-#define I_PERMW_CVTPH2PS(a, d, k) I_PERMW(a, d, k) I_CVTPH2PS(a, d, k)
-#define I_PERMW_CVTPS2PH(a, d, k) I_PERMW(a, d, k) I_CVTPS2PH(a, d, k)
-#define I_PERMW_PSLLD(a, d, k) I_PERMW(a, d, k) I_PSLLD(a, d, k)
-#define I_PERMW_PANDD(a, d, k) I_PERMW(a, d, k) I_PANDD(a, d, k)
-#define I_MULPS_PSLLD(a, d, k) I_MULPS(a, d, k) I_PSLLD(a, d, k)
-#define I_ADDPS_PSLLD(a, d, k) I_ADDPS(a, d, k) I_PSLLD(a, d, k)
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
@@ -102,30 +86,30 @@ RUN(t_sqrtps, EIGHT(I_SQRTPS))
 RUN(t_cvtps2ph, EIGHT(I_CVTPS2PH))
 RUN(t_cvtph2ps, EIGHT(I_CVTPH2PS))
 RUN(t_cvtps2pd, EIGHT(I_CVTPS2PD))
-RUN(t_permw_mulps, EIGHT(I_PERMW_MULPS))
-RUN(t_permw_addps, EIGHT(I_PERMW_ADDPS))
-RUN(t_mulps_addps, EIGHT(I_MULPS_ADDPS))
-RUN(t_permw_cvtps2pd, EIGHT(I_PERMW_CVTPS2PD))
-RUN(t_addps_cvtps2pd, EIGHT(I_ADDPS_CVTPS2PD))
+RUN(t_permw_mulps, EIGHT2(I_PERMW, I_MULPS))
+RUN(t_permw_addps, EIGHT2(I_PERMW, I_ADDPS))
+RUN(t_mulps_addps, EIGHT2(I_MULPS, I_ADDPS))
+RUN(t_permw_cvtps2pd, EIGHT2(I_PERMW, I_CVTPS2PD))
+RUN(t_addps_cvtps2pd, EIGHT2(I_ADDPS, I_CVTPS2PD))
 RUN(t_pslld, EIGHT(I_PSLLD))
 RUN(t_pandd, EIGHT(I_PANDD))
 RUN(t_ternlog, EIGHT(I_TERNLOG))
 RUN(t_andps, EIGHT(I_ANDPS))
-RUN(t_mulps_andps, EIGHT(I_MULPS_ANDPS))
-RUN(t_addps_andps, EIGHT(I_ADDPS_ANDPS))
-RUN(t_permw_andps, EIGHT(I_PERMW_ANDPS))
-RUN(t_addps_pandd, EIGHT(I_ADDPS_PANDD))
-RUN(t_mulps_pandd, EIGHT(I_MULPS_PANDD))
+RUN(t_mulps_andps, EIGHT2(I_MULPS, I_ANDPS))
+RUN(t_addps_andps, EIGHT2(I_ADDPS, I_ANDPS))
+RUN(t_permw_andps, EIGHT2(I_PERMW, I_ANDPS))
+RUN(t_addps_pandd, EIGHT2(I_ADDPS, I_PANDD))
+RUN(t_mulps_pandd, EIGHT2(I_MULPS, I_PANDD))
 RUN(t_blendw, EIGHT(I_BLENDW))
-RUN(t_permw_blendw, EIGHT(I_PERMW_BLENDW))
-RUN(t_mulps_blendw, EIGHT(I_MULPS_BLENDW))
-RUN(t_addps_blendw, EIGHT(I_ADDPS_BLENDW))
-RUN(t_permw_cvtph2ps, EIGHT(I_PERMW_CVTPH2PS))
-RUN(t_permw_cvtps2ph, EIGHT(I_PERMW_CVTPS2PH))
-RUN(t_permw_pslld, EIGHT(I_PERMW_PSLLD))
-RUN(t_permw_pandd, EIGHT(I_PERMW_PANDD))
-RUN(t_mulps_pslld, EIGHT(I_MULPS_PSLLD))
-RUN(t_addps_pslld, EIGHT(I_ADDPS_PSLLD))
+RUN(t_permw_blendw, EIGHT2(I_PERMW, I_BLENDW))
+RUN(t_mulps_blendw, EIGHT2(I_MULPS, I_BLENDW))
+RUN(t_addps_blendw, EIGHT2(I_ADDPS, I_BLENDW))
+RUN(t_permw_cvtph2ps, EIGHT2(I_PERMW, I_CVTPH2PS))
+RUN(t_permw_cvtps2ph, EIGHT2(I_PERMW, I_CVTPS2PH))
+RUN(t_permw_pslld, EIGHT2(I_PERMW, I_PSLLD))
+RUN(t_permw_pandd, EIGHT2(I_PERMW, I_PANDD))
+RUN(t_mulps_pslld, EIGHT2(I_MULPS, I_PSLLD))
+RUN(t_addps_pslld, EIGHT2(I_ADDPS, I_PSLLD))
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"

@@ -358,6 +358,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
   static uint16_t g16[MAXL], p16a[MAXL], p16b[MAXL], o16a[MAXL], o16b[MAXL];
   static float g32[MAXL], p32a[MAXL], p32b[MAXL], o32a[MAXL], o32b[MAXL];
   static double cs1[MAXL], cs2[MAXL];
+  static uint8_t qa[4 * MAXL], qb[4 * MAXL]; /* parameters of any dtype, two copies */
   for (int d = 0; d < 3; d++) {
     const gefen_dtype dt = dts[d];
     void *g = dt == GEFEN_F32 ? (void *)g32 : (void *)g16;
@@ -400,7 +401,7 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
        * the element order's bits (codes, parameters, max, sum of squares) */
       for (int fac = 0; fac < 2; fac++) {
         static float ma[MAXL], mb[MAXL];
-        static uint8_t qa[4 * MAXL], qb[4 * MAXL], ka[MAXL], kb[MAXL];
+        static uint8_t ka[MAXL], kb[MAXL];
         memcpy(qa, pa, esz * (size_t)len);
         memcpy(qb, pa, esz * (size_t)len);
         memcpy(ka, codes, (size_t)len);
@@ -430,7 +431,6 @@ static void test_simd_blocks_on(const gefen_block_ops *simd, const char *name,
        * dequantize_apply may use inside the call): the portable bits */
       for (int fac = 0; fac < 2; fac++)
         for (int packed = 0; packed < 2; packed++) {
-          static uint8_t qa[4 * MAXL], qb[4 * MAXL];
           memcpy(qa, pa, esz * (size_t)len);
           memcpy(qb, pa, esz * (size_t)len);
           const gefen_sink_kind kind = fac ? GEFEN_SINK_ADAM_FACTORED : GEFEN_SINK_ADAM_BLOCK;
