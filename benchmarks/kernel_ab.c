@@ -20,7 +20,7 @@
  * 16-bit keys on or off (the VBMI tables read it, the others ignore it; without it,
  * the CPU's default: keys on AMD); or TABLE@REV, the table TABLE (avx2, avx512bf16 or
  * avx512vbmi) of git revision REV, which kernel_ab.sh builds in as gefen_block_ops_a
- * (one revision per run; table_at_rev.sh):
+ * (one revision per run; table_at_rev.sh), also with +keys or -keys after it:
  *
  *   bash benchmarks/kernel_ab.sh avx2@HEAD avx2     the last commit's AVX2 kernels
  *                                                   against the working tree's
@@ -211,8 +211,8 @@ static int same_outputs(const version *a, const version *b, int s, int64_t n, in
 /* The table of another revision (TABLE@REV), when kernel_ab.sh links one in. */
 extern const gefen_block_ops *gefen_block_ops_a(void) __attribute__((weak));
 
-/* "table[+keys|-keys]" or "TABLE@REV" -> the table and a quantiser with the key search
- * as asked. */
+/* "table[+keys|-keys]" or "TABLE@REV[+keys|-keys]" -> the table and a quantiser with
+ * the key search as asked. */
 static int parse_version(const char *spec, const float *cb, version *v) {
   static const struct {
     const char *name;
@@ -224,7 +224,12 @@ static int parse_version(const char *spec, const float *cb, version *v) {
   char name[32];
   const char *at = strchr(spec, '@'); /* TABLE@REV: the revision's table built in */
   const int revision = at != NULL;
-  const char *sign = revision ? NULL : strpbrk(spec, "+-");
+  /* the key search's sign: after the table's name, or at the end of TABLE@REV */
+  const size_t n = strlen(spec);
+  const char *sign = !revision ? strpbrk(spec, "+-")
+                     : n > 5 && (!strcmp(spec + n - 5, "+keys") || !strcmp(spec + n - 5, "-keys"))
+                         ? spec + n - 5
+                         : NULL;
   const size_t len = revision ? (size_t)(at - spec) : sign ? (size_t)(sign - spec) : strlen(spec);
   if (len == 0 || len >= sizeof name) goto bad;
   memcpy(name, spec, len);

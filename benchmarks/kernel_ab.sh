@@ -6,6 +6,8 @@
 #   bash benchmarks/kernel_ab.sh avx2@HEAD avx2      # a revision's AVX2 kernels (from git)
 #                                                    # against the working tree's
 #   bash benchmarks/kernel_ab.sh avx512bf16@HEAD avx512bf16   # the same for an AVX-512 table
+#   bash benchmarks/kernel_ab.sh avx512bf16@HEAD-keys avx512bf16-keys   # both without the
+#                                                    # key search (Intel's choice)
 #   KERNEL_AB_UNCHECKED=1 bash benchmarks/kernel_ab.sh ...    # time versions whose outputs
 #                                                    # differ (an upper bound; it says so)
 set -euo pipefail
@@ -29,7 +31,10 @@ for arg in "${@:1:2}"; do
 done
 if [ -n "$spec_rev" ]; then
   . "$root/benchmarks/table_at_rev.sh"
-  table_at_rev "$root" "${spec_rev%%@*}" "${spec_rev#*@}" a "$out/a"
+  rev=${spec_rev#*@}
+  rev=${rev%+keys}
+  rev=${rev%-keys}
+  table_at_rev "$root" "${spec_rev%%@*}" "$rev" a "$out/a"
   extra=("$out/a/table_a.c")
 fi
 gcc -std=c11 -O3 -ffp-contract=off -fopenmp -I "$root/csrc/core" \

@@ -32,7 +32,10 @@
  *
  * Everything else (the fp32 operations, their order, the float64 lanes of the
  * sums, the dtype conversions of block_avx512_common.h) is that of the
- * portable primitives, so the results agree with them bit for bit.
+ * portable primitives, so the results agree with them bit for bit; where a
+ * file has byte look-ups, long blocks decode per-block value tables (the
+ * products of a code's value that depend on the code alone, formed once per
+ * block: VALUE_TABLES below) instead of the codebook.
  *
  * It defines the static functions adam_momentum, muon_momentum, requantize,
  * requantize_apply, dequantize_apply and adam_period1 of gefen_block_ops.
@@ -96,14 +99,96 @@ INLINE __mmask16 part_mask(__mmask64 k, int v) { return (__mmask16)(k >> (16 * v
 /* The two Adam formulas, written once for the per-block primitives and for
  * adam_period1 (same operations, same order as the portable code):
  *   m     = beta1 * mo + (1 - beta1) * g        (mo = C[code] * mag_old)
- *   param = param * decay - lr * delta           (delta = mq * step size) */
-INLINE __m512 adam_m16(__m512 vb1, __m512 vomb, __m512 mo, __m512 g) {
-  return _mm512_add_ps(_mm512_mul_ps(vb1, mo), _mm512_mul_ps(vomb, g));
+ *   param = param * decay - lr * delta           (delta = mq * step size)
+ * adam_param_of takes lr * delta already formed. */
+INLINE __m512 adam_param_of(__m512 p, float decay, __m512 lrd) {
+  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)), lrd);
 }
 
 INLINE __m512 adam_param16(__m512 p, float decay, float lr, __m512 delta) {
-  return _mm512_sub_ps(_mm512_mul_ps(p, _mm512_set1_ps(decay)),
-                       _mm512_mul_ps(_mm512_set1_ps(lr), delta));
+  return adam_param_of(p, decay, _mm512_mul_ps(_mm512_set1_ps(lr), delta));
+}
+
+/* The momentum in two parts: the part of a code's value c = C[code] that
+ * depends on the code alone within a block (mo = c * mag for GefenMuon, beta1
+ * * mo for Gefen), and m from it and g: the operations of Adam's m above and
+ * of GefenMuon's m = mo + (1 - beta) * (g - mo), in their order. */
+INLINE __m512 momentum_code_value(__m512 c, __m512 vmag, __m512 vb1, const int muon) {
+  const __m512 mo = _mm512_mul_ps(c, vmag);
+  return muon ? mo : _mm512_mul_ps(vb1, mo);
+}
+
+INLINE __m512 momentum_of(__m512 cv, __m512 vomb, __m512 g, const int muon) {
+  return muon ? _mm512_add_ps(cv, _mm512_mul_ps(vomb, _mm512_sub_ps(g, cv)))
+              : _mm512_add_ps(cv, _mm512_mul_ps(vomb, g));
+}
+
+#ifndef KEY_SEARCH
+#define KEY_SEARCH 0
+#endif
+
+/* Value tables (files with byte look-ups, KEY_SEARCH, have them): within a
+ * block, what the momentum pass and the sinks form from a code's value before
+ * an element's own operands enter (momentum_code_value; sink_code_value: lr *
+ * ((C[code] * mx) * s) for a block Adam sink) depends on the code alone. A
+ * block of at least VALUE_MIN_LEN elements forms it once for each of the 256
+ * codes, by the same operations on the same operands, as four byte planes
+ * (split_planes), and decodes that instead of C[code]: the same bits, with up
+ * to 12 fewer multiplications per 64 elements. */
+#define VALUE_TABLES KEY_SEARCH
+#define VALUE_MIN_LEN 1024
+
+/* A 256-entry table of floats as byte planes (byte b of entry i at [b][i]). */
+typedef const uint8_t (*planes_ptr)[GEFEN_CODEBOOK_SIZE];
+
+#if VALUE_TABLES
+/* t[0..256) as four byte planes, 64 at a time: each vector's bytes grouped by
+ * plane (one byte permute), then a 4 x 4 transpose of 128-bit lanes. */
+INLINE void split_planes(const float *t, uint8_t (*plane)[GEFEN_CODEBOOK_SIZE]) {
+  static const uint8_t by_plane[64] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
+                                       52, 56, 60, 1,  5,  9,  13, 17, 21, 25, 29, 33, 37,
+                                       41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26,
+                                       30, 34, 38, 42, 46, 50, 54, 58, 62, 3,  7,  11, 15,
+                                       19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+  const __m512i idx = _mm512_loadu_si512(by_plane);
+  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 64; g++) {
+    __m512i x[4];
+    for (int v = 0; v < 4; v++)
+      x[v] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(t + 64 * g + 16 * v));
+    const __m512i t0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44), t1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44), t3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
+    _mm512_storeu_si512(plane[0] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0x88));
+    _mm512_storeu_si512(plane[1] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+    _mm512_storeu_si512(plane[2] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0x88));
+    _mm512_storeu_si512(plane[3] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+  }
+}
+
+/* A block's momentum_code_value of every code, as byte planes. */
+INLINE void momentum_values(const gefen_quant_search *s, __m512 vmag, __m512 vb1, const int muon,
+                            uint8_t (*plane)[GEFEN_CODEBOOK_SIZE]) {
+  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
+  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
+    _mm512_store_ps(t + 16 * g,
+                    momentum_code_value(_mm512_loadu_ps(s->value_of + 16 * g), vmag, vb1, muon));
+  split_planes(t, plane);
+}
+#endif
+
+/* The 64 codes at codes[0..64) (the lanes of km) decoded: the entries of the
+ * block's value table plane (tabled), or the codebook's values. */
+INLINE void decode_either64(const gefen_quant_search *s, planes_ptr plane, const int tabled,
+                            const uint8_t *codes, __mmask64 km, __m512 out[4]) {
+#if VALUE_TABLES
+  if (tabled) {
+    decode_codes64_with(plane, codes, km, out);
+    return;
+  }
+#else
+  (void)plane;
+  (void)tabled;
+#endif
+  decode_codes64(s, codes, km, out);
 }
 
 /* The state of a momentum pass: the running max|m| and float64 lanes of g^2. */
@@ -145,17 +230,18 @@ INLINE void store64_bf16_packed(void *p, int64_t i, const __m512 v[4]) {
 
 /* A whole group of the Adam momentum pass in the packed order (bfloat16): the
  * operations of momentum64, with the squares in even and odd accumulators. */
-INLINE void momentum64_packed(const gefen_quant_search *s, const void *grad, int64_t base,
+INLINE void momentum64_packed(planes_ptr plane, const int tabled, const void *grad, int64_t base,
                               const uint8_t *codes, __m512 vmag, __m512 vb1, __m512 vomb,
                               int64_t len, float *m, int64_t j, momentum_acc *acc, __m512d *even,
                               __m512d *odd, const int want_sq) {
   gefen_prefetch(codes, 1, j + len, 64); /* the next block, as momentum64 */
   gefen_prefetch(grad, 2, base + j + len, 64);
   __m512 c[4], g[4];
-  decode_codes64_packed(s, codes + j, c);
+  decode_codes64_packed(plane, codes + j, c);
   load64_bf16_packed(grad, base + j, g);
   for (int v = 0; v < 4; v++) {
-    const __m512 x = adam_m16(vb1, vomb, _mm512_mul_ps(c[v], vmag), g[v]);
+    const __m512 cv = tabled ? c[v] : momentum_code_value(c[v], vmag, vb1, 0);
+    const __m512 x = momentum_of(cv, vomb, g[v], 0);
     _mm512_storeu_ps(m + j + 16 * v, x);
     acc->vmx = _mm512_max_ps(_mm512_abs_ps(x), acc->vmx); /* NaN never wins */
   }
@@ -174,21 +260,20 @@ INLINE void momentum64_packed(const gefen_quant_search *s, const void *grad, int
 /* 64 elements (or the first ones of km) of the momentum pass at j. Called
  * with km all ones (a constant) for whole groups, so that the compiler drops
  * the masks there. */
-INLINE void momentum64(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
-                       int64_t base, const uint8_t *codes, __m512 vmag, __m512 vb1, __m512 vomb,
-                       int64_t len, float *m, int64_t j, __mmask64 km, momentum_acc *acc,
-                       const int muon, const int want_sq) {
+INLINE void momentum64(const gefen_quant_search *s, planes_ptr plane, const int tabled,
+                       const void *grad, const gefen_dtype dt, int64_t base, const uint8_t *codes,
+                       __m512 vmag, __m512 vb1, __m512 vomb, int64_t len, float *m, int64_t j,
+                       __mmask64 km, momentum_acc *acc, const int muon, const int want_sq) {
   gefen_prefetch(codes, 1, j + len, 64); /* the next block (gefen_prefetch) */
   gefen_prefetch(grad, gefen_esz(dt), base + j + len, 64);
   __m512 c[4];
-  decode_codes64(s, codes + j, km, c);
+  decode_either64(s, plane, tabled, codes + j, km, c);
   for (int v = 0; v < 4; v++) {
     const __mmask16 k = part_mask(km, v);
     const int64_t i = j + 16 * v;
     const __m512 g = gefen_load16(grad, dt, base + i, k);
-    const __m512 mo = _mm512_mul_ps(c[v], vmag);
-    const __m512 x = muon ? _mm512_add_ps(mo, _mm512_mul_ps(vomb, _mm512_sub_ps(g, mo)))
-                          : adam_m16(vb1, vomb, mo, g);
+    const __m512 cv = tabled ? c[v] : momentum_code_value(c[v], vmag, vb1, muon);
+    const __m512 x = momentum_of(cv, vomb, g, muon);
     _mm512_mask_storeu_ps(m + i, k, x);
     acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
     if (want_sq) gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
@@ -198,20 +283,19 @@ INLINE void momentum64(const gefen_quant_search *s, const void *grad, const gefe
 /* Gefen (muon = 0): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g, with
  * the sum of g^2 when want_sq; GefenMuon (muon = 1): mo = C[code] * mag_old,
  * m = mo + (1 - beta) * (g - mo) (beta1 unused). Returns max|m|. */
-INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
-                        int64_t base, const uint8_t *codes, float mag_old, float beta1,
-                        float one_minus_beta, int64_t len, float *m, double *sq,
-                        const int muon, const int want_sq, const int packed) {
-  const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
-               vomb = _mm512_set1_ps(one_minus_beta);
+INLINE float momentum_run(const gefen_quant_search *s, planes_ptr plane, const int tabled,
+                          const void *grad, const gefen_dtype dt, int64_t base,
+                          const uint8_t *codes, __m512 vmag, __m512 vb1, __m512 vomb,
+                          int64_t len, float *m, double *sq, const int muon, const int want_sq,
+                          const int packed) {
   momentum_acc acc = {_mm512_setzero_ps(), _mm512_setzero_pd(), _mm512_setzero_pd()};
   int64_t j = 0;
 #if PACKED_BF16
   if (packed) { /* Adam, bfloat16: the whole groups in the packed order */
     __m512d even = _mm512_setzero_pd(), odd = _mm512_setzero_pd();
     for (; j + 64 <= len; j += 64)
-      momentum64_packed(s, grad, base, codes, vmag, vb1, vomb, len, m, j, &acc, &even, &odd,
-                        want_sq);
+      momentum64_packed(tabled ? plane : s->plane, tabled, grad, base, codes, vmag, vb1, vomb,
+                        len, m, j, &acc, &even, &odd, want_sq);
     if (want_sq) { /* element order's lanes: 0-7 = even0 odd0 .. even3 odd3, 8-15 the rest */
       acc.lo = _mm512_permutex2var_pd(even, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), odd);
       acc.hi = _mm512_permutex2var_pd(even, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), odd);
@@ -221,13 +305,31 @@ INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gef
   (void)packed;
 #endif
   for (; j + 64 <= len; j += 64)
-    momentum64(s, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, ~(__mmask64)0, &acc, muon,
-               want_sq);
+    momentum64(s, plane, tabled, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, ~(__mmask64)0,
+               &acc, muon, want_sq);
   if (j < len)
-    momentum64(s, grad, dt, base, codes, vmag, vb1, vomb, len, m, j, tail_mask64(len - j), &acc,
-               muon, want_sq);
+    momentum64(s, plane, tabled, grad, dt, base, codes, vmag, vb1, vomb, len, m, j,
+               tail_mask64(len - j), &acc, muon, want_sq);
   if (want_sq) *sq += gefen_sum_lanes16(acc.lo, acc.hi);
   return _mm512_reduce_max_ps(acc.vmx);
+}
+
+INLINE float momentum_t(const gefen_quant_search *s, const void *grad, const gefen_dtype dt,
+                        int64_t base, const uint8_t *codes, float mag_old, float beta1,
+                        float one_minus_beta, int64_t len, float *m, double *sq,
+                        const int muon, const int want_sq, const int packed) {
+  const __m512 vmag = _mm512_set1_ps(mag_old), vb1 = _mm512_set1_ps(beta1),
+               vomb = _mm512_set1_ps(one_minus_beta);
+#if VALUE_TABLES
+  if (len >= VALUE_MIN_LEN) {
+    _Alignas(64) uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+    momentum_values(s, vmag, vb1, muon, plane);
+    return momentum_run(s, (planes_ptr)plane, 1, grad, dt, base, codes, vmag, vb1, vomb, len, m,
+                        sq, muon, want_sq, packed);
+  }
+#endif
+  return momentum_run(s, s->plane, 0, grad, dt, base, codes, vmag, vb1, vomb, len, m, sq, muon,
+                      want_sq, packed);
 }
 
 TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base,
@@ -365,9 +467,6 @@ INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
   }
 }
 
-#ifndef KEY_SEARCH
-#define KEY_SEARCH 0
-#endif
 #if KEY_SEARCH
 /* The search over 16-bit keys (a file with byte look-ups defines KEY_SEARCH
  * as 1): 32 lanes per vector instead of 16, then one exact comparison.
@@ -413,26 +512,7 @@ INLINE void key_setup(const float *t, float mx, key_tables *kt) {
     _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
                         _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
   _mm512_storeu_si512(kt->key + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
-  /* the thresholds in their own order as four byte planes, 64 at a time:
-   * each vector's bytes grouped by plane (one byte permute), then a 4 x 4
-   * transpose of 128-bit lanes */
-  static const uint8_t by_plane[64] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
-                                       52, 56, 60, 1,  5,  9,  13, 17, 21, 25, 29, 33, 37,
-                                       41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26,
-                                       30, 34, 38, 42, 46, 50, 54, 58, 62, 3,  7,  11, 15,
-                                       19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
-  const __m512i idx = _mm512_loadu_si512(by_plane);
-  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 64; g++) {
-    __m512i x[4];
-    for (int v = 0; v < 4; v++)
-      x[v] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(t + 64 * g + 16 * v));
-    const __m512i t0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44), t1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
-    const __m512i t2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44), t3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
-    _mm512_storeu_si512(kt->plane[0] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0x88));
-    _mm512_storeu_si512(kt->plane[1] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0xDD));
-    _mm512_storeu_si512(kt->plane[2] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0x88));
-    _mm512_storeu_si512(kt->plane[3] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0xDD));
-  }
+  split_planes(t, kt->plane); /* the thresholds in their own order */
 }
 
 /* Groups of 64 per search step at most: 2 x KEY_GROUPS chains of 32 keys
@@ -504,32 +584,48 @@ INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
 }
 #endif
 
-/* One vector of dequantised values mq at element i of the block to the sink
- * (kind, dt and out_dt are constants after inlining). */
+/* What a sink forms from a code's value c = C[code] before any operand of the
+ * element enters (a function of the code alone within a block: value tables,
+ * above): mq = c * mx, times s and lr for a block Adam sink (its lr * delta),
+ * times beta for a Nesterov GefenMuon output. */
+INLINE __m512 sink_code_value(const gefen_sink *sk, const gefen_sink_kind kind, __m512 vmx,
+                              __m512 c) {
+  const __m512 mq = _mm512_mul_ps(c, vmx);
+  if (kind == GEFEN_SINK_ADAM_BLOCK)
+    return _mm512_mul_ps(_mm512_set1_ps(sk->lr), _mm512_mul_ps(mq, _mm512_set1_ps(sk->s)));
+  if (kind == GEFEN_SINK_MUON && sk->nesterov) return _mm512_mul_ps(_mm512_set1_ps(sk->beta), mq);
+  return mq;
+}
+
+/* One vector of the sink's code values cv (sink_code_value) at element i of the
+ * block to the sink (kind, dt and out_dt are constants after inlining). */
 INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
-                   const gefen_dtype out_dt, float *m, int64_t i, __m512 mq, __mmask16 k) {
+                   const gefen_dtype out_dt, float *m, int64_t i, __m512 cv, __mmask16 k) {
   const int64_t at = sk->base + i;
   switch (kind) {
     case GEFEN_SINK_M:
-      _mm512_mask_storeu_ps(m + i, k, mq);
+      _mm512_mask_storeu_ps(m + i, k, cv);
       break;
-    case GEFEN_SINK_ADAM_BLOCK:
-    case GEFEN_SINK_ADAM_FACTORED: {
-      __m512 s = _mm512_set1_ps(sk->s);
-      if (kind == GEFEN_SINK_ADAM_FACTORED) /* the divider is free here (no u = m / mx) */
-        s = _mm512_div_ps(_mm512_set1_ps(sk->inv_bc1),
-                          _mm512_add_ps(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, sk->scol + i)),
-                                        _mm512_set1_ps(sk->eps)));
+    case GEFEN_SINK_ADAM_BLOCK: {
       const __m512 p = gefen_load16(sk->out, out_dt, at, k);
-      store16(sk->out, out_dt, at, adam_param16(p, sk->decay, sk->lr, _mm512_mul_ps(mq, s)), k);
+      store16(sk->out, out_dt, at, adam_param_of(p, sk->decay, cv), k);
+      break;
+    }
+    case GEFEN_SINK_ADAM_FACTORED: {
+      /* the divider is free here (no u = m / mx) */
+      const __m512 s = _mm512_div_ps(
+          _mm512_set1_ps(sk->inv_bc1),
+          _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->s), _mm512_maskz_loadu_ps(k, sk->scol + i)),
+                        _mm512_set1_ps(sk->eps)));
+      const __m512 p = gefen_load16(sk->out, out_dt, at, k);
+      store16(sk->out, out_dt, at, adam_param16(p, sk->decay, sk->lr, _mm512_mul_ps(cv, s)), k);
       break;
     }
     case GEFEN_SINK_MUON: {
-      __m512 o = mq;
+      __m512 o = cv;
       if (sk->nesterov)
-        o = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->beta), mq),
-                          _mm512_mul_ps(_mm512_set1_ps(sk->one_minus_beta),
-                                        gefen_load16(sk->grad, dt, at, k)));
+        o = _mm512_add_ps(cv, _mm512_mul_ps(_mm512_set1_ps(sk->one_minus_beta),
+                                            gefen_load16(sk->grad, dt, at, k)));
       store16(sk->out, out_dt, at, o, k);
       break;
     }
@@ -539,12 +635,12 @@ INLINE void sink16(const gefen_sink *sk, const gefen_sink_kind kind, const gefen
 }
 
 #if PACKED_BF16
-/* A whole group's dequantised values mq (packed order) to an Adam sink of a
- * bfloat16 parameter: sink16's operations, the column factors of a factored
- * sink taken in the packed order by two permutes per 32. */
+/* A whole group's code values cv (sink_code_value; packed order) to an Adam
+ * sink of a bfloat16 parameter: sink16's operations, the column factors of a
+ * factored sink taken in the packed order by two permutes per 32. */
 INLINE void sink64_packed(const gefen_sink *sk, const gefen_sink_kind kind, int64_t j,
-                          const __m512 mq[4]) {
-  __m512 p[4], s[4];
+                          const __m512 cv[4]) {
+  __m512 p[4], s[4] = {0};
   load64_bf16_packed(sk->out, sk->base + j, p);
   for (int h = 0; h < 2; h++) {
     if (kind == GEFEN_SINK_ADAM_FACTORED) {
@@ -557,12 +653,13 @@ INLINE void sink64_packed(const gefen_sink *sk, const gefen_sink_kind kind, int6
         s[2 * h + e] = _mm512_div_ps(
             _mm512_set1_ps(sk->inv_bc1),
             _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sk->s), scol[e]), _mm512_set1_ps(sk->eps)));
-    } else {
-      s[2 * h] = s[2 * h + 1] = _mm512_set1_ps(sk->s);
     }
   }
   __m512 out[4];
-  for (int v = 0; v < 4; v++) out[v] = adam_param16(p[v], sk->decay, sk->lr, _mm512_mul_ps(mq[v], s[v]));
+  for (int v = 0; v < 4; v++)
+    out[v] = kind == GEFEN_SINK_ADAM_BLOCK
+                 ? adam_param_of(p[v], sk->decay, cv[v])
+                 : adam_param16(p[v], sk->decay, sk->lr, _mm512_mul_ps(cv[v], s[v]));
   store64_bf16_packed(sk->out, sk->base + j, out);
 }
 #endif
@@ -576,14 +673,17 @@ enum { BY_ZERO, BY_DIVISION, BY_SCALED_LEVELS, BY_KEYS };
 typedef void key_tables;
 #endif
 
-/* The dequantised values c of a group at j (times vmx) to the sink: a whole
- * group of a bfloat16 Adam sink in the packed order when packed. */
+/* The decoded values c of a group at j to the sink: C[code], whose code
+ * values the sink forms here, or (tabled) those code values already, from a
+ * block's value table. A whole group of a bfloat16 Adam sink goes in the
+ * packed order when packed. */
 INLINE void sink_values64(const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
                           const gefen_dtype out_dt, float *m, __m512 vmx, int64_t j,
-                          __mmask64 km, const int packed, __m512 c[4]) {
+                          __mmask64 km, const int packed, const int tabled, __m512 c[4]) {
+  if (!tabled)
+    for (int v = 0; v < 4; v++) c[v] = sink_code_value(sk, kind, vmx, c[v]);
 #if PACKED_BF16
   if (packed) {
-    for (int v = 0; v < 4; v++) c[v] = _mm512_mul_ps(c[v], vmx);
     sink64_packed(sk, kind, j, c);
     return;
   }
@@ -592,13 +692,26 @@ INLINE void sink_values64(const gefen_sink *sk, const gefen_sink_kind kind, cons
 #endif
   for (int v = 0; v < 4; v++) {
     const __mmask16 k = part_mask(km, v);
-    if (k) sink16(sk, kind, dt, out_dt, m, j + 16 * v, _mm512_mul_ps(c[v], vmx), k);
+    if (k) sink16(sk, kind, dt, out_dt, m, j + 16 * v, c[v], k);
   }
 }
 
+#if VALUE_TABLES
+/* A block's sink_code_value of every code, as byte planes. */
+INLINE void sink_values(const gefen_quant_search *s, const gefen_sink *sk,
+                        const gefen_sink_kind kind, __m512 vmx,
+                        uint8_t (*plane)[GEFEN_CODEBOOK_SIZE]) {
+  _Alignas(64) float t[GEFEN_CODEBOOK_SIZE];
+  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
+    _mm512_store_ps(t + 16 * g, sink_code_value(sk, kind, vmx, _mm512_loadu_ps(s->value_of + 16 * g)));
+  split_planes(t, plane);
+}
+#endif
+
 #if KEY_SEARCH
-/* 64 codes (transposed order) at j stored, and their values to the sink. */
-INLINE void emit64(const gefen_quant_search *s, __m512i codes_t, float *m, __m512 vmx,
+/* 64 codes (transposed order) at j stored, and their values to the sink: the
+ * entries of vt, the block's value table (tabled) or the codebook's planes. */
+INLINE void emit64(planes_ptr vt, const int tabled, __m512i codes_t, float *m, __m512 vmx,
                    uint8_t *codes, const gefen_sink *sk, const gefen_sink_kind kind,
                    const gefen_dtype dt, const gefen_dtype out_dt, int64_t j, __mmask64 km,
                    const int packed) {
@@ -608,17 +721,17 @@ INLINE void emit64(const gefen_quant_search *s, __m512i codes_t, float *m, __m51
     return;
   }
   if (PACKED_BF16 && packed) {
-    store_and_decode64_packed_t(s, codes_t, codes + j, c);
+    store_and_decode64_packed_t(vt, codes_t, codes + j, c);
   } else {
     store_t(codes_t, codes + j, km);
-    decode64(s, codes_t, c);
+    lookup_planes64(vt, codes_t, c);
   }
-  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, c);
+  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, tabled, c);
 }
 
 /* G whole groups at j, j + 64, ... by the key search, their chains
  * overlapping. */
-INLINE void requantize_keys(const gefen_quant_search *s, const key_tables *kt, const int G,
+INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *kt, const int G,
                             float *m, __m512 vmx, int64_t len, uint8_t *codes,
                             const gefen_sink *sk, const gefen_sink_kind kind,
                             const gefen_dtype dt, const gefen_dtype out_dt, int64_t j,
@@ -630,12 +743,14 @@ INLINE void requantize_keys(const gefen_quant_search *s, const key_tables *kt, c
   for (int v = 0; v < 4 * G; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
   key_codes_t(kt, G, u, codes_t);
   for (int h = 0; h < G; h++)
-    emit64(s, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0, packed);
+    emit64(vt, tabled, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0,
+           packed);
 }
 #endif
 
 INLINE void requantize64(const gefen_quant_search *s, const float *order,
-                         const key_tables *kt, float *m, __m512 vmx, const int mode,
+                         const key_tables *kt, planes_ptr vt, const int tabled, float *m,
+                         __m512 vmx, const int mode,
                          int64_t len, uint8_t *codes,
                          const gefen_sink *sk, const gefen_sink_kind kind, const gefen_dtype dt,
                          const gefen_dtype out_dt, int64_t j, __mmask64 km, const int packed) {
@@ -654,24 +769,32 @@ INLINE void requantize64(const gefen_quant_search *s, const float *order,
   if (mode == BY_KEYS) {
     __m512i codes_t;
     key_codes_t(kt, 1, u, &codes_t);
-    emit64(s, codes_t, m, vmx, codes, sk, kind, dt, out_dt, j, km, packed);
+    emit64(vt, tabled, codes_t, m, vmx, codes, sk, kind, dt, out_dt, j, km, packed);
     return;
   }
 #else
   (void)kt;
+  (void)vt;
+  (void)tabled;
 #endif
   search64(order, u, bits);
   if (kind == GEFEN_SINK_CODES) { /* the codes alone: no decoding */
     store_codes64(s, bits, codes + j, km);
     return;
   }
+#if VALUE_TABLES
+  if (tabled) {
+    emit64(vt, 1, codes_t_of(bits), m, vmx, codes, sk, kind, dt, out_dt, j, km, packed);
+    return;
+  }
+#endif
 #if PACKED_BF16
   if (packed) /* a whole group of a bfloat16 Adam sink: m and u in the packed order */
     store_and_decode64_packed(s, bits, codes + j, c);
   else
 #endif
     store_and_decode64(s, bits, codes + j, km, c);
-  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, c);
+  sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, 0, c);
 }
 
 INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t len,
@@ -690,9 +813,13 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
 #if KEY_SEARCH
   _Alignas(64) key_tables keys;
   const key_tables *kt = &keys;
+  /* blocks of the scaled searches from VALUE_MIN_LEN on decode a value table */
+  _Alignas(64) uint8_t values[4][GEFEN_CODEBOOK_SIZE];
+  int tabled = 0;
 #else
   const key_tables *kt = NULL;
 #endif
+  planes_ptr vt = s->plane;
   int mode = BY_DIVISION;
   if (!(mx > 0.0f)) {
     mode = BY_ZERO;
@@ -708,42 +835,52 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
       mode = BY_KEYS;
       key_setup(scaled, mx, &keys);
     }
+    if (len >= VALUE_MIN_LEN && kind != GEFEN_SINK_CODES) {
+      sink_values(s, sk, kind, vmx, values);
+      vt = (planes_ptr)values;
+      tabled = 1;
+    }
 #endif
   }
 #if KEY_SEARCH
-#define KEY_PASSES(MODE)                                                                   \
+#define KEY_PASSES(MODE, TABLED)                                                           \
   if (MODE == BY_KEYS) {                                                                   \
     for (; j + 64 * KEY_GROUPS <= len; j += 64 * KEY_GROUPS)                               \
-      requantize_keys(s, kt, KEY_GROUPS, m, vmx, len, codes, sk, kind, dt, out_dt, j,      \
-                      packed);                                                             \
+      requantize_keys(vt, TABLED, kt, KEY_GROUPS, m, vmx, len, codes, sk, kind, dt, out_dt, \
+                      j, packed);                                                          \
     for (; j + 128 <= len; j += 128)                                                       \
-      requantize_keys(s, kt, 2, m, vmx, len, codes, sk, kind, dt, out_dt, j, packed);      \
+      requantize_keys(vt, TABLED, kt, 2, m, vmx, len, codes, sk, kind, dt, out_dt, j,      \
+                      packed);                                                             \
   }
 #else
-#define KEY_PASSES(MODE) (void)0
+#define KEY_PASSES(MODE, TABLED) (void)0
 #endif
-#define PASS(MODE)                                                                          \
+#define PASS(MODE, TABLED)                                                                  \
   do {                                                                                      \
     int64_t j = 0;                                                                          \
-    KEY_PASSES(MODE);                                                                       \
+    KEY_PASSES(MODE, TABLED);                                                               \
     for (; j + 64 <= len; j += 64)                                                          \
-      requantize64(s, order, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
-                   ~(__mmask64)0, packed);                                                  \
+      requantize64(s, order, kt, vt, TABLED, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, \
+                   j, ~(__mmask64)0, packed);                                               \
     if (j < len) /* the tail in element order, as momentum_t leaves it */                    \
-      requantize64(s, order, kt, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, j,       \
-                   tail_mask64(len - j), 0);                                                \
+      requantize64(s, order, kt, vt, TABLED, m, vmx, MODE, len, codes, sk, kind, dt, out_dt, \
+                   j, tail_mask64(len - j), 0);                                             \
   } while (0)
 #if KEY_SEARCH
-  if (mode == BY_KEYS)
-    PASS(BY_KEYS);
+  if (mode == BY_KEYS && tabled)
+    PASS(BY_KEYS, 1);
+  else if (mode == BY_KEYS)
+    PASS(BY_KEYS, 0);
+  else if (mode == BY_SCALED_LEVELS && tabled)
+    PASS(BY_SCALED_LEVELS, 1);
   else
 #endif
   if (mode == BY_SCALED_LEVELS)
-    PASS(BY_SCALED_LEVELS);
+    PASS(BY_SCALED_LEVELS, 0);
   else if (mode == BY_DIVISION)
-    PASS(BY_DIVISION);
+    PASS(BY_DIVISION, 0);
   else
-    PASS(BY_ZERO);
+    PASS(BY_ZERO, 0);
 #undef PASS
 #undef KEY_PASSES
 }
@@ -807,17 +944,30 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
 /* dequantize_apply: 64 codes at j (or the first ones of km) decoded, times
  * mag, to the sink (an Adam sink; kind and out_dt are constants after
  * inlining). mq = C[code] * mag is the product requantize64 forms. */
-INLINE void dequantize64(const gefen_quant_search *s, const uint8_t *codes, __m512 vmag,
-                         int64_t len, const gefen_sink *sk, const gefen_sink_kind kind,
-                         const gefen_dtype out_dt, int64_t j, __mmask64 km) {
+INLINE void dequantize64(const gefen_quant_search *s, planes_ptr plane, const int tabled,
+                         const uint8_t *codes, __m512 vmag, int64_t len, const gefen_sink *sk,
+                         const gefen_sink_kind kind, const gefen_dtype out_dt, int64_t j,
+                         __mmask64 km) {
   gefen_prefetch(codes, 1, j + len, 64); /* the next block */
   gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64);
   __m512 c[4];
-  decode_codes64(s, codes + j, km, c);
+  decode_either64(s, plane, tabled, codes + j, km, c);
   for (int v = 0; v < 4; v++) {
     const __mmask16 k = part_mask(km, v);
-    if (k) sink16(sk, kind, GEFEN_F32, out_dt, NULL, j + 16 * v, _mm512_mul_ps(c[v], vmag), k);
+    if (k)
+      sink16(sk, kind, GEFEN_F32, out_dt, NULL, j + 16 * v,
+             tabled ? c[v] : sink_code_value(sk, kind, vmag, c[v]), k);
   }
+}
+
+INLINE void dequantize_run(const gefen_quant_search *s, planes_ptr plane, const int tabled,
+                           const uint8_t *codes, __m512 vmag, int64_t len, const gefen_sink *sk,
+                           const gefen_sink_kind kind, const gefen_dtype out_dt) {
+  int64_t j = 0;
+  for (; j + 64 <= len; j += 64)
+    dequantize64(s, plane, tabled, codes, vmag, len, sk, kind, out_dt, j, ~(__mmask64)0);
+  if (j < len)
+    dequantize64(s, plane, tabled, codes, vmag, len, sk, kind, out_dt, j, tail_mask64(len - j));
 }
 
 INLINE void dequantize_t(const gefen_quantizer *q, const uint8_t *codes, float mag, int64_t len,
@@ -826,9 +976,15 @@ INLINE void dequantize_t(const gefen_quantizer *q, const uint8_t *codes, float m
   const gefen_quant_search *s = &q->search;
   const gefen_sink sink_copy = *sink, *sk = &sink_copy; /* as in requantize_t */
   const __m512 vmag = _mm512_set1_ps(mag);
-  int64_t j = 0;
-  for (; j + 64 <= len; j += 64) dequantize64(s, codes, vmag, len, sk, kind, out_dt, j, ~(__mmask64)0);
-  if (j < len) dequantize64(s, codes, vmag, len, sk, kind, out_dt, j, tail_mask64(len - j));
+#if VALUE_TABLES
+  if (len >= VALUE_MIN_LEN) {
+    _Alignas(64) uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+    sink_values(s, sk, kind, vmag, plane);
+    dequantize_run(s, (planes_ptr)plane, 1, codes, vmag, len, sk, kind, out_dt);
+    return;
+  }
+#endif
+  dequantize_run(s, s->plane, 0, codes, vmag, len, sk, kind, out_dt);
 }
 
 TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *codes, float mag,
@@ -866,8 +1022,8 @@ TARGET static void dequantize_apply(const gefen_quantizer *q, const uint8_t *cod
  * a float, divided by P = 1 and rounded back), and requantize64 in its modes
  * for short blocks: u = m / mx (BY_DIVISION) where mx > 0, u = 0 (BY_ZERO)
  * elsewhere, unscaled thresholds, mq = C[code] * mx to the block sink. The
- * momentum and the parameter update are the same helpers (adam_m16,
- * adam_param16) as those of momentum64 and sink16. */
+ * momentum and the parameter update are the same helpers (momentum_code_value
+ * and momentum_of, adam_param16) as those of momentum64 and sink16. */
 INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, const gefen_dtype dt,
                        int64_t j, __mmask64 km) {
   const __m512 zero = _mm512_setzero_ps();
@@ -878,8 +1034,9 @@ INLINE void period1_64(const gefen_quant_search *s, const gefen_period1 *a, cons
     const __mmask16 k = part_mask(km, v);
     const int64_t i = j + 16 * v;
     const __m512 g = gefen_load16(a->grad, dt, i, k);
-    const __m512 mo = _mm512_mul_ps(c[v], _mm512_maskz_loadu_ps(k, a->magnitude + i));
-    const __m512 x = adam_m16(_mm512_set1_ps(a->beta1), _mm512_set1_ps(a->one_minus_beta1), mo, g);
+    const __m512 cv = momentum_code_value(c[v], _mm512_maskz_loadu_ps(k, a->magnitude + i),
+                                          _mm512_set1_ps(a->beta1), 0);
+    const __m512 x = momentum_of(cv, _mm512_set1_ps(a->one_minus_beta1), g, 0);
     mx[v] = _mm512_max_ps(_mm512_abs_ps(x), zero); /* NaN never wins */
     _mm512_mask_storeu_ps(a->magnitude + i, k, mx[v]);
     const __m512 vm =

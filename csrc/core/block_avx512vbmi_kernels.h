@@ -65,9 +65,17 @@ INLINE void decode64(const gefen_quant_search *s, __m512i codes_t, __m512 out[4]
   lookup_planes64(s->plane, codes_t, out);
 }
 
+/* The entries of a 256-entry table given as byte planes (the codebook's, or a
+ * block's value table, block_avx512_kernels.h) at the 64 codes at codes[0..64)
+ * (the lanes of km). */
+INLINE void decode_codes64_with(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE], const uint8_t *codes,
+                                __mmask64 km, __m512 out[4]) {
+  lookup_planes64(plane, transpose_dwords(_mm512_maskz_loadu_epi8(km, codes)), out);
+}
+
 INLINE void decode_codes64(const gefen_quant_search *s, const uint8_t *codes, __mmask64 km,
                            __m512 out[4]) {
-  decode64(s, transpose_dwords(_mm512_maskz_loadu_epi8(km, codes)), out);
+  decode_codes64_with(s->plane, codes, km, out);
 }
 
 /* The four count vectors (each lane 0..255, bits reversed) as 64 code bytes
@@ -110,30 +118,31 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
  * to bytes in that same order, go out through its inverse. */
 #define PACKED_BF16 1
 
-INLINE void decode_codes64_packed(const gefen_quant_search *s, const uint8_t *codes,
+INLINE void decode_codes64_packed(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE], const uint8_t *codes,
                                   __m512 out[4]) {
   static const uint8_t in[64] = {0,  2,  4,  6,  1,  3,  5,  7,  32, 34, 36, 38, 33, 35, 37, 39,
                                  8,  10, 12, 14, 9,  11, 13, 15, 40, 42, 44, 46, 41, 43, 45, 47,
                                  16, 18, 20, 22, 17, 19, 21, 23, 48, 50, 52, 54, 49, 51, 53, 55,
                                  24, 26, 28, 30, 25, 27, 29, 31, 56, 58, 60, 62, 57, 59, 61, 63};
-  decode64(s, _mm512_permutexvar_epi8(_mm512_loadu_si512(in), _mm512_loadu_si512(codes)), out);
+  lookup_planes64(plane, _mm512_permutexvar_epi8(_mm512_loadu_si512(in), _mm512_loadu_si512(codes)),
+                  out);
 }
 
 /* 64 codes given in transposed order stored for a packed group (element
- * order), and their values in the packed order. */
-INLINE void store_and_decode64_packed_t(const gefen_quant_search *s, __m512i codes_t,
-                                        uint8_t *codes, __m512 out[4]) {
+ * order), and their entries of the table plane in the packed order. */
+INLINE void store_and_decode64_packed_t(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE],
+                                        __m512i codes_t, uint8_t *codes, __m512 out[4]) {
   static const uint8_t back[64] = {0,  4,  1,  5,  2,  6,  3,  7,  16, 20, 17, 21, 18, 22, 19, 23,
                                    32, 36, 33, 37, 34, 38, 35, 39, 48, 52, 49, 53, 50, 54, 51, 55,
                                    8,  12, 9,  13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31,
                                    40, 44, 41, 45, 42, 46, 43, 47, 56, 60, 57, 61, 58, 62, 59, 63};
   _mm512_storeu_si512(codes, _mm512_permutexvar_epi8(_mm512_loadu_si512(back), codes_t));
-  decode64(s, codes_t, out);
+  lookup_planes64(plane, codes_t, out);
 }
 
 INLINE void store_and_decode64_packed(const gefen_quant_search *s, const __m512i bits[4],
                                       uint8_t *codes, __m512 out[4]) {
-  store_and_decode64_packed_t(s, codes_t_of(bits), codes, out);
+  store_and_decode64_packed_t(s->plane, codes_t_of(bits), codes, out);
 }
 
 /* The search over 16-bit keys (block_avx512_kernels.h, KEY_SEARCH): it needs
