@@ -205,33 +205,52 @@ INLINE __m256 decode8(const float *cb, const uint8_t *codes, const int stride) {
                         cb[codes[6 * stride]], cb[codes[7 * stride]]);
 }
 
+/* Value tables: within a block, beta1 * (C[code] * mag_old) (Gefen) and
+ * C[code] * mag_old (GefenMuon) depend on the code alone. A block of at least
+ * VALUE_MIN_LEN elements forms them once for the 256 codes, by the same
+ * operations, and decodes them instead of C[code] (tabled below): the same
+ * bits, two or one multiplications fewer per 8 elements (docs/performance.md,
+ * "Value tables per block"). */
+#define VALUE_MIN_LEN 1024
+
+INLINE void momentum_table(const float *cb, float mag_old, float beta1, const int muon, float *t) {
+  const __m256 vmag = _mm256_set1_ps(mag_old), vb1 = _mm256_set1_ps(beta1);
+  for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i += 8) {
+    const __m256 mo = _mm256_mul_ps(_mm256_loadu_ps(cb + i), vmag);
+    _mm256_storeu_ps(t + i, muon ? mo : _mm256_mul_ps(vb1, mo));
+  }
+}
+
 /* m = beta1 * (C[code] * mag_old) + (1 - beta1) * g of 8 elements from their
- * gradients g and decoded codes c, stored at m; returns |m|. */
-INLINE __m256 adam8(__m256 g, __m256 c, __m256 vmag, __m256 vb1, __m256 vomb1, float *m) {
-  const __m256 mo = _mm256_mul_ps(c, vmag);
-  const __m256 v = _mm256_add_ps(_mm256_mul_ps(vb1, mo), _mm256_mul_ps(vomb1, g));
+ * gradients g and decoded codes c (tabled: c is already beta1 * (C[code] *
+ * mag_old)), stored at m; returns |m|. */
+INLINE __m256 adam8(__m256 g, __m256 c, __m256 vmag, __m256 vb1, __m256 vomb1, float *m,
+                    const int tabled) {
+  const __m256 cv = tabled ? c : _mm256_mul_ps(vb1, _mm256_mul_ps(c, vmag));
+  const __m256 v = _mm256_add_ps(cv, _mm256_mul_ps(vomb1, g));
   _mm256_storeu_ps(m, v);
   return abs8(v);
 }
 
 /* The same for the 8 elements at j of a block in element order, loading their
- * gradients (to *g_out) and codes. */
+ * gradients (to *g_out) and codes (decoded through cb). */
 INLINE __m256 adam8_at(const void *grad, gefen_dtype dt, int64_t base, const uint8_t *codes,
                        const float *cb, int64_t j, __m256 vmag, __m256 vb1, __m256 vomb1,
-                       float *m, __m256 *g_out) {
+                       float *m, __m256 *g_out, const int tabled) {
   const __m256 g = load8(grad, dt, base + j);
   *g_out = g;
-  return adam8(g, decode8(cb, codes + j, 1), vmag, vb1, vomb1, m + j);
+  return adam8(g, decode8(cb, codes + j, 1), vmag, vb1, vomb1, m + j, tabled);
 }
 
 /* The Adam momentum pass; with packed (bfloat16 only) its whole groups of 16 in
  * the packed order (see load16_bf16_packed). The sums of g^2 go to the
  * canonical lanes either way: in the packed order acc[0] and acc[1] hold the
  * even lanes (0, 2, 4, 6 and 8, ..., 14), acc[2] and acc[3] the odd ones. */
-INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t base,
-                             const uint8_t *codes, const float *cb, float mag_old, float beta1,
-                             float one_minus_beta1, int64_t len, float *m, double *sq,
-                             const int packed) {
+INLINE float adam_momentum_run(const void *grad, const gefen_dtype dt, int64_t base,
+                               const uint8_t *codes, const float *cb, const float *tb,
+                               const int tabled, float mag_old, float beta1,
+                               float one_minus_beta1, int64_t len, float *m, double *sq,
+                               const int packed) {
   const __m256 vmag = _mm256_set1_ps(mag_old), vb1 = _mm256_set1_ps(beta1),
                vomb1 = _mm256_set1_ps(one_minus_beta1);
   __m256 vmx = _mm256_setzero_ps(), g0, g1;
@@ -245,19 +264,22 @@ INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
     if (packed) {
       load16_bf16_packed(grad, base + j, &g0, &g1);
       /* max(a, vmx) keeps vmx when a is NaN: NaN never wins */
-      vmx = _mm256_max_ps(adam8(g0, decode8(cb, codes + j, 2), vmag, vb1, vomb1, m + j), vmx);
-      vmx = _mm256_max_ps(adam8(g1, decode8(cb, codes + j + 1, 2), vmag, vb1, vomb1, m + j + 8),
-                          vmx);
+      vmx = _mm256_max_ps(
+          adam8(g0, decode8(tb, codes + j, 2), vmag, vb1, vomb1, m + j, tabled), vmx);
+      vmx = _mm256_max_ps(
+          adam8(g1, decode8(tb, codes + j + 1, 2), vmag, vb1, vomb1, m + j + 8, tabled), vmx);
     } else {
-      vmx = _mm256_max_ps(adam8_at(grad, dt, base, codes, cb, j, vmag, vb1, vomb1, m, &g0), vmx);
-      vmx = _mm256_max_ps(adam8_at(grad, dt, base, codes, cb, j + 8, vmag, vb1, vomb1, m, &g1),
-                          vmx);
+      vmx = _mm256_max_ps(
+          adam8_at(grad, dt, base, codes, tb, j, vmag, vb1, vomb1, m, &g0, tabled), vmx);
+      vmx = _mm256_max_ps(
+          adam8_at(grad, dt, base, codes, tb, j + 8, vmag, vb1, vomb1, m, &g1, tabled), vmx);
     }
     add_lanes(&acc[0], &acc[1], _mm256_mul_ps(g0, g0));
     add_lanes(&acc[2], &acc[3], _mm256_mul_ps(g1, g1));
   }
   if (!packed && len - j >= 8) { /* lanes 0-7 */
-    vmx = _mm256_max_ps(adam8_at(grad, dt, base, codes, cb, j, vmag, vb1, vomb1, m, &g0), vmx);
+    vmx = _mm256_max_ps(
+        adam8_at(grad, dt, base, codes, tb, j, vmag, vb1, vomb1, m, &g0, tabled), vmx);
     add_lanes(&acc[0], &acc[1], _mm256_mul_ps(g0, g0));
     j += 8;
   }
@@ -290,6 +312,20 @@ INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
   return mx;
 }
 
+INLINE float adam_momentum_t(const void *grad, const gefen_dtype dt, int64_t base,
+                             const uint8_t *codes, const float *cb, float mag_old, float beta1,
+                             float one_minus_beta1, int64_t len, float *m, double *sq,
+                             const int packed) {
+  if (len >= VALUE_MIN_LEN) {
+    _Alignas(32) float tb[GEFEN_CODEBOOK_SIZE];
+    momentum_table(cb, mag_old, beta1, 0, tb);
+    return adam_momentum_run(grad, dt, base, codes, cb, tb, 1, mag_old, beta1, one_minus_beta1,
+                             len, m, sq, packed);
+  }
+  return adam_momentum_run(grad, dt, base, codes, cb, cb, 0, mag_old, beta1, one_minus_beta1, len,
+                           m, sq, packed);
+}
+
 /* Whether a bfloat16 Adam step with this quantiser keeps m in the packed order
  * when asked to (packed): for block sinks only (the factored sink would need
  * its column factors split into even and odd, four shuffles per 16, which
@@ -318,10 +354,10 @@ TARGET static float adam_momentum(const void *grad, gefen_dtype dt, int64_t base
 #undef CALL
 }
 
-INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t base,
-                             const uint8_t *codes, const gefen_quantizer *q, float mag_old,
-                             float one_minus_beta, int64_t len, float *m) {
-  const float *cb = q->table.codebook;
+INLINE float muon_momentum_run(const void *grad, const gefen_dtype dt, int64_t base,
+                               const uint8_t *codes, const gefen_quantizer *q, const float *tb,
+                               const int tabled, float mag_old, float one_minus_beta,
+                               int64_t len, float *m) {
   const __m256 vmag = _mm256_set1_ps(mag_old), vomb = _mm256_set1_ps(one_minus_beta);
   __m256 vmx = _mm256_setzero_ps();
   int64_t j = 0;
@@ -329,7 +365,8 @@ INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
     if (j % 16 == 0) prefetch_at(grad, esz_of(dt), base + j + len); /* the next block */
     if (j % 64 == 0) prefetch_at(codes, 1, j + len);
     const __m256 g = load8(grad, dt, base + j);
-    const __m256 mo = _mm256_mul_ps(decode8(cb, codes + j, 1), vmag);
+    const __m256 c = decode8(tb, codes + j, 1);
+    const __m256 mo = tabled ? c : _mm256_mul_ps(c, vmag);
     const __m256 v = _mm256_add_ps(mo, _mm256_mul_ps(vomb, _mm256_sub_ps(g, mo)));
     _mm256_storeu_ps(m + j, v);
     vmx = _mm256_max_ps(abs8(v), vmx);
@@ -342,6 +379,18 @@ INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t bas
     mx = t > mx ? t : mx;
   }
   return mx;
+}
+
+INLINE float muon_momentum_t(const void *grad, const gefen_dtype dt, int64_t base,
+                             const uint8_t *codes, const gefen_quantizer *q, float mag_old,
+                             float one_minus_beta, int64_t len, float *m) {
+  const float *cb = q->table.codebook;
+  if (len >= VALUE_MIN_LEN) {
+    _Alignas(32) float tb[GEFEN_CODEBOOK_SIZE];
+    momentum_table(cb, mag_old, 0.0f, 1, tb);
+    return muon_momentum_run(grad, dt, base, codes, q, tb, 1, mag_old, one_minus_beta, len, m);
+  }
+  return muon_momentum_run(grad, dt, base, codes, q, cb, 0, mag_old, one_minus_beta, len, m);
 }
 
 TARGET static float muon_momentum(const void *grad, gefen_dtype dt, int64_t base,
@@ -850,22 +899,48 @@ TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx
 
 /* mq = C[code] * mag of the codes, 8 at a time, to an Adam sink of kind K and
  * parameters of dtype DT (as the portable decoding followed by the apply). */
-INLINE void dequantize_apply_t(const gefen_quantizer *q, const uint8_t *codes, float mag,
-                               int64_t len, float *m, const gefen_sink *sk,
-                               const gefen_sink_kind kind, const gefen_dtype dt) {
-  const float *cb = q->table.codebook;
-  const adam_vectors c = adam_vectors_of(sk->s, sk->inv_bc1, sk->eps, sk->decay, sk->lr);
+INLINE void dequantize_apply_run(const gefen_quantizer *q, const uint8_t *codes, const float *tb,
+                                 const int tabled, float mag, int64_t len, float *m,
+                                 const gefen_sink *sk, const gefen_sink_kind kind,
+                                 const gefen_dtype dt, const adam_vectors *c) {
   const __m256 vmag = _mm256_set1_ps(mag);
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
     if (j % 16 == 0) prefetch_at(sk->out, esz_of(dt), sk->base + j + len); /* the next block */
     if (j % 64 == 0) prefetch_at(codes, 1, j + len);
-    sink8(sk, kind, dt, &c, j, _mm256_mul_ps(decode8(cb, codes + j, 1), vmag));
+    const __m256 d = decode8(tb, codes + j, 1);
+    if (tabled && kind == GEFEN_SINK_ADAM_BLOCK) /* d = lr * (mq * s): adam_update8's rest */
+      store8(sk->out, dt, sk->base + j,
+             _mm256_sub_ps(_mm256_mul_ps(load8(sk->out, dt, sk->base + j), c->decay), d));
+    else
+      sink8(sk, kind, dt, c, j, tabled ? d : _mm256_mul_ps(d, vmag));
   }
   if (j < len) {
     const gefen_sink tail = sink_from(sk, j);
     gefen_dequantize_apply_with(&gefen_block_ops_scalar, q, codes + j, mag, len - j, m + j, &tail);
   }
+}
+
+/* The values tabled for a long block (value tables, above): mq = C[code] * mag,
+ * and for a block sink lr * (mq * s) (adam_update8's order). */
+INLINE void dequantize_apply_t(const gefen_quantizer *q, const uint8_t *codes, float mag,
+                               int64_t len, float *m, const gefen_sink *sk,
+                               const gefen_sink_kind kind, const gefen_dtype dt) {
+  const float *cb = q->table.codebook;
+  const adam_vectors c = adam_vectors_of(sk->s, sk->inv_bc1, sk->eps, sk->decay, sk->lr);
+  if (len >= VALUE_MIN_LEN) {
+    _Alignas(32) float tb[GEFEN_CODEBOOK_SIZE];
+    const __m256 vmag = _mm256_set1_ps(mag);
+    for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i += 8) {
+      const __m256 mq = _mm256_mul_ps(_mm256_loadu_ps(cb + i), vmag);
+      _mm256_storeu_ps(tb + i, kind == GEFEN_SINK_ADAM_BLOCK
+                                   ? _mm256_mul_ps(c.lr, _mm256_mul_ps(mq, c.s))
+                                   : mq);
+    }
+    dequantize_apply_run(q, codes, tb, 1, mag, len, m, sk, kind, dt, &c);
+    return;
+  }
+  dequantize_apply_run(q, codes, cb, 0, mag, len, m, sk, kind, dt, &c);
 }
 
 /* The decoding with an Adam sink in one pass (the form whose codes the
