@@ -286,6 +286,13 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     if "has no avx2 table" not in r.stderr:  # (a CPU without AVX2)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "A = avx2@copy" in r.stdout and "outputs identical" in r.stdout
+        # a revision's table with the key search forced off and on (the sign after the
+        # revision; one of the two is not this CPU's default)
+        for sign, state in (("-keys", "off"), ("+keys", "on")):
+            r = subprocess.run([str(tmp_path / "kernel_ab_rev"), "avx2@copy" + sign, "avx2",
+                                "136", "3", "2"], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            assert f"A = avx2@copy{sign} (key search {state})" in r.stdout, r.stdout[-3000:]
     # zmm_costs: single instructions' costs where AVX-512 BW and VBMI run, one line
     # saying why not elsewhere
     r = subprocess.run([_cc(), "-O2", "-Wall", "-Werror", "-I", BENCH,
