@@ -144,9 +144,20 @@ INLINE __m256 factored_s8(const adam_vectors *c, const float *scol) {
   return _mm256_div_ps(c->inv_bc1, _mm256_add_ps(_mm256_mul_ps(c->s, _mm256_loadu_ps(scol)), c->eps));
 }
 
+/* lr * (mq * s): what the Adam update subtracts (for a block sink, a function
+ * of the code alone: the read-once decoding's value table). */
+INLINE __m256 lr_delta8(__m256 mq, __m256 s, const adam_vectors *c) {
+  return _mm256_mul_ps(c->lr, _mm256_mul_ps(mq, s));
+}
+
+/* p * decay - lrd, lrd = lr_delta8(...). */
+INLINE __m256 adam_update_of8(__m256 p, __m256 lrd, const adam_vectors *c) {
+  return _mm256_sub_ps(_mm256_mul_ps(p, c->decay), lrd);
+}
+
 /* p * decay - lr * (mq * s): the Adam update of 8 parameters. */
 INLINE __m256 adam_update8(__m256 p, __m256 mq, __m256 s, const adam_vectors *c) {
-  return _mm256_sub_ps(_mm256_mul_ps(p, c->decay), _mm256_mul_ps(c->lr, _mm256_mul_ps(mq, s)));
+  return adam_update_of8(p, lr_delta8(mq, s, c), c);
 }
 
 /* p = p * decay - lr * (mq * s) for the 8 parameters at i. */
@@ -213,12 +224,17 @@ INLINE __m256 decode8(const float *cb, const uint8_t *codes, const int stride) {
  * "Value tables per block"). */
 #define VALUE_MIN_LEN 1024
 
+/* The part of the momentum that depends on the code's value c alone: mo = c *
+ * mag_old (GefenMuon), beta1 * mo (Gefen). */
+INLINE __m256 momentum_code8(__m256 c, __m256 vmag, __m256 vb1, const int muon) {
+  const __m256 mo = _mm256_mul_ps(c, vmag);
+  return muon ? mo : _mm256_mul_ps(vb1, mo);
+}
+
 INLINE void momentum_table(const float *cb, float mag_old, float beta1, const int muon, float *t) {
   const __m256 vmag = _mm256_set1_ps(mag_old), vb1 = _mm256_set1_ps(beta1);
-  for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i += 8) {
-    const __m256 mo = _mm256_mul_ps(_mm256_loadu_ps(cb + i), vmag);
-    _mm256_storeu_ps(t + i, muon ? mo : _mm256_mul_ps(vb1, mo));
-  }
+  for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i += 8)
+    _mm256_storeu_ps(t + i, momentum_code8(_mm256_loadu_ps(cb + i), vmag, vb1, muon));
 }
 
 /* m = beta1 * (C[code] * mag_old) + (1 - beta1) * g of 8 elements from their
@@ -226,7 +242,7 @@ INLINE void momentum_table(const float *cb, float mag_old, float beta1, const in
  * mag_old)), stored at m; returns |m|. */
 INLINE __m256 adam8(__m256 g, __m256 c, __m256 vmag, __m256 vb1, __m256 vomb1, float *m,
                     const int tabled) {
-  const __m256 cv = tabled ? c : _mm256_mul_ps(vb1, _mm256_mul_ps(c, vmag));
+  const __m256 cv = tabled ? c : momentum_code8(c, vmag, vb1, 0);
   const __m256 v = _mm256_add_ps(cv, _mm256_mul_ps(vomb1, g));
   _mm256_storeu_ps(m, v);
   return abs8(v);
@@ -366,7 +382,7 @@ INLINE float muon_momentum_run(const void *grad, const gefen_dtype dt, int64_t b
     if (j % 64 == 0) prefetch_at(codes, 1, j + len);
     const __m256 g = load8(grad, dt, base + j);
     const __m256 c = decode8(tb, codes + j, 1);
-    const __m256 mo = tabled ? c : _mm256_mul_ps(c, vmag);
+    const __m256 mo = tabled ? c : momentum_code8(c, vmag, _mm256_setzero_ps(), 1);
     const __m256 v = _mm256_add_ps(mo, _mm256_mul_ps(vomb, _mm256_sub_ps(g, mo)));
     _mm256_storeu_ps(m + j, v);
     vmx = _mm256_max_ps(abs8(v), vmx);
@@ -909,9 +925,8 @@ INLINE void dequantize_apply_run(const gefen_quantizer *q, const uint8_t *codes,
     if (j % 16 == 0) prefetch_at(sk->out, esz_of(dt), sk->base + j + len); /* the next block */
     if (j % 64 == 0) prefetch_at(codes, 1, j + len);
     const __m256 d = decode8(tb, codes + j, 1);
-    if (tabled && kind == GEFEN_SINK_ADAM_BLOCK) /* d = lr * (mq * s): adam_update8's rest */
-      store8(sk->out, dt, sk->base + j,
-             _mm256_sub_ps(_mm256_mul_ps(load8(sk->out, dt, sk->base + j), c->decay), d));
+    if (tabled && kind == GEFEN_SINK_ADAM_BLOCK) /* d = lr_delta8 of the code */
+      store8(sk->out, dt, sk->base + j, adam_update_of8(load8(sk->out, dt, sk->base + j), d, c));
     else
       sink8(sk, kind, dt, c, j, tabled ? d : _mm256_mul_ps(d, vmag));
   }
@@ -933,9 +948,7 @@ INLINE void dequantize_apply_t(const gefen_quantizer *q, const uint8_t *codes, f
     const __m256 vmag = _mm256_set1_ps(mag);
     for (int i = 0; i < GEFEN_CODEBOOK_SIZE; i += 8) {
       const __m256 mq = _mm256_mul_ps(_mm256_loadu_ps(cb + i), vmag);
-      _mm256_storeu_ps(tb + i, kind == GEFEN_SINK_ADAM_BLOCK
-                                   ? _mm256_mul_ps(c.lr, _mm256_mul_ps(mq, c.s))
-                                   : mq);
+      _mm256_storeu_ps(tb + i, kind == GEFEN_SINK_ADAM_BLOCK ? lr_delta8(mq, c.s, &c) : mq);
     }
     dequantize_apply_run(q, codes, tb, 1, mag, len, m, sk, kind, dt, &c);
     return;

@@ -294,8 +294,8 @@ INLINE float momentum_run(const gefen_quant_search *s, planes_ptr plane, const i
   if (packed) { /* Adam, bfloat16: the whole groups in the packed order */
     __m512d even = _mm512_setzero_pd(), odd = _mm512_setzero_pd();
     for (; j + 64 <= len; j += 64)
-      momentum64_packed(tabled ? plane : s->plane, tabled, grad, base, codes, vmag, vb1, vomb,
-                        len, m, j, &acc, &even, &odd, want_sq);
+      momentum64_packed(plane, tabled, grad, base, codes, vmag, vb1, vomb, len, m, j, &acc,
+                        &even, &odd, want_sq);
     if (want_sq) { /* element order's lanes: 0-7 = even0 odd0 .. even3 odd3, 8-15 the rest */
       acc.lo = _mm512_permutex2var_pd(even, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), odd);
       acc.hi = _mm512_permutex2var_pd(even, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), odd);
