@@ -72,6 +72,35 @@ GEFEN_AVX512_INLINE void gefen_store16(void *p, gefen_dtype dt, int64_t i, __m51
   }
 }
 
+/* float16 NaNs in p[i, i + n) made sign | 0x7e00, what gefen_store16 stores
+ * for a NaN. vcvtps2ph turns a NaN into a NaN of the same sign (quiet, with
+ * the payload's top bits) and nothing else into a NaN, so converting without
+ * gefen_store16's test and then this gives its bits; a block is read 32
+ * values at a time for any NaN and rewritten only when it has one. */
+GEFEN_AVX512_INLINE void gefen_f16_canonical_nans(void *p, int64_t i, int64_t n) {
+  uint16_t *h = (uint16_t *)p + i;
+  const __m512i inf2 = _mm512_set1_epi16((short)0xF800); /* 2 * 0x7c00: NaN iff 2h above it */
+  __m512i acc = _mm512_setzero_si512();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512i x = _mm512_loadu_si512(h + j);
+    acc = _mm512_max_epu16(acc, _mm512_add_epi16(x, x));
+  }
+  if (j < n) {
+    const __m512i x = _mm512_maskz_loadu_epi16((__mmask32)((1u << (n - j)) - 1u), h + j);
+    acc = _mm512_max_epu16(acc, _mm512_add_epi16(x, x));
+  }
+  if (!_mm512_cmpgt_epu16_mask(acc, inf2)) return;
+  for (j = 0; j < n; j += 32) {
+    const __mmask32 k = n - j >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (n - j)) - 1u);
+    const __m512i x = _mm512_maskz_loadu_epi16(k, h + j);
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_add_epi16(x, x), inf2);
+    const __m512i canon =
+        _mm512_or_si512(_mm512_and_si512(x, _mm512_set1_epi16((short)0x8000)), _mm512_set1_epi16(0x7e00));
+    _mm512_mask_storeu_epi16(h + j, k & nan, canon);
+  }
+}
+
 /* Prefetches the lines of elements [i, i + n) of a buffer of esz-byte
  * elements. The kernels work through blocks (rows) in address order and
  * fetch the next block (at + len) while working on this one: the hardware

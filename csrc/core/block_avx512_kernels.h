@@ -76,7 +76,9 @@ INLINE int any_zero_exponent(__m512 v) {
 }
 #endif
 
-/* gefen_store16, with the BF16 conversion where this file has it. */
+/* gefen_store16, with the BF16 conversion where this file has it, and float16
+ * converted without the NaN test: every caller runs gefen_f16_canonical_nans
+ * over its block afterwards (store_nans_after). */
 INLINE void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
 #if CVT_BF16
   if (dt == GEFEN_BF16 && !any_zero_exponent(v)) {
@@ -84,7 +86,18 @@ INLINE void store16(void *p, gefen_dtype dt, int64_t i, __m512 v, __mmask16 k) {
     return;
   }
 #endif
+  if (dt == GEFEN_F16) {
+    _mm256_mask_storeu_epi16((uint16_t *)p + i, k,
+                             _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return;
+  }
   gefen_store16(p, dt, i, v, k);
+}
+
+/* After a block's stores by store16 to p[i, i + n): its float16 NaNs as
+ * gefen_store16 stores them. */
+INLINE void store_nans_after(void *p, gefen_dtype dt, int64_t i, int64_t n) {
+  if (dt == GEFEN_F16) gefen_f16_canonical_nans(p, i, n);
 }
 
 /* Blocks at least this long search m with scaled thresholds (requantize_t). */
@@ -883,6 +896,8 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     PASS(BY_ZERO, 0);
 #undef PASS
 #undef KEY_PASSES
+  if (kind == GEFEN_SINK_ADAM_BLOCK || kind == GEFEN_SINK_ADAM_FACTORED || kind == GEFEN_SINK_MUON)
+    store_nans_after(sk->out, out_dt, sk->base, len);
 }
 
 TARGET static void requantize_apply(const gefen_quantizer *q, float *m, float mx, int64_t len,
@@ -968,6 +983,7 @@ INLINE void dequantize_run(const gefen_quant_search *s, planes_ptr plane, const 
     dequantize64(s, plane, tabled, codes, vmag, len, sk, kind, out_dt, j, ~(__mmask64)0);
   if (j < len)
     dequantize64(s, plane, tabled, codes, vmag, len, sk, kind, out_dt, j, tail_mask64(len - j));
+  store_nans_after(sk->out, out_dt, sk->base, len);
 }
 
 INLINE void dequantize_t(const gefen_quantizer *q, const uint8_t *codes, float mag, int64_t len,
@@ -1065,6 +1081,7 @@ INLINE void period1_t(const gefen_quantizer *q, const gefen_period1 *a, const ge
   int64_t j = base;
   for (; j + 64 <= base + n; j += 64) period1_64(s, a, dt, j, ~(__mmask64)0);
   if (j < base + n) period1_64(s, a, dt, j, tail_mask64(base + n - j));
+  store_nans_after(a->param, dt, base, n);
 }
 
 TARGET static void adam_period1(const gefen_quantizer *q, const gefen_period1 *a, int64_t base,
