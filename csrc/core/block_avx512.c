@@ -73,18 +73,27 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
 /* 16 columns at j of n rows (n <= ROWS_AT_ONCE, a constant): each row's
  * x = g^2 into its lanes and, row after row, into colsum[j..j+16), which is
  * loaded and stored once. Eight rows (18 of the 32 vector registers) load and
- * store colsum half as often as four, and the rows are read without software
- * prefetches (a plain sequential read the hardware prefetchers follow; the
- * prefetches cost more than they gave): the pass went from about 3.9 to 3.5 ms
- * (fp32) and 3.2 to 2.6 ms (bf16) at 16.8M on 2 Ice Lake cores (docs/performance.md). */
+ * store colsum half as often as four, and on Intel CPUs the rows are read
+ * without software prefetches (a plain sequential read the hardware prefetchers
+ * follow; the prefetches cost more than they gave): the pass went from about
+ * 3.9 to 3.5 ms (fp32) and 3.2 to 2.6 ms (bf16) at 16.8M on 2 Ice Lake cores
+ * (docs/performance.md). With pf (float32 rows on AMD CPUs) each row's line
+ * 32 KiB ahead is fetched into L2, as the AVX2 table's paired rows do: on the
+ * Zen 4 VM (2026-12-05, this loop twice in a throwaway A/B, two threads, the
+ * 16.8M / 67.1M sets) the pass took -3 to -12% in seven runs of eight (+3.6% in
+ * one); 16-bit rows there were +10% as often as -14%, and keep the plain read. */
 #define ROWS_AT_ONCE 8
+#define ROW_PREFETCH_BYTES 32768
 INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
-                   int64_t j, __mmask16 k, double *colsum, __m512d *lo, __m512d *hi) {
+                   const int pf, int64_t j, __mmask16 k, double *colsum, __m512d *lo,
+                   __m512d *hi) {
   const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
   __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
   __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
   for (int r = 0; r < n; r++) {
     const int64_t at = base + r * len + j;
+    if (pf) /* float32: a line per row and 16 columns */
+      _mm_prefetch((const char *)grad + (size_t)(at * 4 + ROW_PREFETCH_BYTES), _MM_HINT_T1);
     const __m512 g = gefen_load16(grad, dt, at, k);
     const __m512 x = _mm512_mul_ps(g, g);
     const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
@@ -100,13 +109,13 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
 }
 
 INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
-                   double *colsum, double *sums) {
+                   const int pf, double *colsum, double *sums) {
   __m512d lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE];
   for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_pd();
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) /* a constant mask: plain loads and stores */
-    rows16(grad, dt, base, len, n, j, (__mmask16)0xFFFF, colsum, lo, hi);
-  if (j < len) rows16(grad, dt, base, len, n, j, gefen_tail_mask16(len - j), colsum, lo, hi);
+    rows16(grad, dt, base, len, n, pf, j, (__mmask16)0xFFFF, colsum, lo, hi);
+  if (j < len) rows16(grad, dt, base, len, n, 0, j, gefen_tail_mask16(len - j), colsum, lo, hi);
   for (int r = 0; r < n; r++) sums[r] = gefen_sum_lanes16(lo[r], hi[r]);
 }
 
@@ -116,10 +125,13 @@ TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t bas
     gefen_block_ops_scalar.row_stats(grad, dt, base, len, rows, colsum, sums);
     return;
   }
+  const int pf = dt == GEFEN_F32 && __builtin_cpu_is("amd"); /* see rows16 */
   int64_t r = 0;
-  for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE)
-    rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, colsum, sums + r);
-  for (; r < rows; r++) rows_t(grad, dt, base + r * len, len, 1, colsum, sums + r);
+  for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE) {
+    if (pf) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 1, colsum, sums + r);
+    else rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 0, colsum, sums + r);
+  }
+  for (; r < rows; r++) rows_t(grad, dt, base + r * len, len, 1, 0, colsum, sums + r);
 }
 
 TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
