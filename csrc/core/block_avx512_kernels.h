@@ -26,7 +26,10 @@
  * Where the including file has byte look-ups (KEY_SEARCH), blocks of at
  * least KEY_MIN_LEN with a codebook whose thresholds are not too close search
  * 16-bit keys of m instead, 32 lanes per vector, and settle the one threshold
- * the keys cannot decide by an exact comparison (key_codes_t): the same count.
+ * the keys cannot decide by an exact comparison: the same count. The whole
+ * groups compare only the lanes whose key ties that threshold's key, in
+ * scalar code after the search (key_ties), the last ones every lane
+ * (key_codes_t).
  * Only on CPUs where that is faster (key_search: AMD; on Intel the 16-bit
  * permutes cost more than two float ones).
  *
@@ -504,6 +507,8 @@ typedef struct {
   /* byte b of the scaled threshold at plane[b][j], j in search order: j is the
    * count's bits reversed for the threshold above that count */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
+  /* the scaled thresholds themselves, in search order */
+  const float *t;
   float r;
 } key_tables;
 
@@ -526,6 +531,7 @@ INLINE void key_setup(const float *t, float mx, key_tables *kt) {
                         _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
   _mm512_storeu_si512(kt->key + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
   split_planes(t, kt->plane); /* the thresholds in their own order */
+  kt->t = t;
 }
 
 /* Groups of 64 per search step at most: 2 x KEY_GROUPS chains of 32 keys
@@ -541,33 +547,109 @@ _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
                "KEY_GROUPS: 2 to 4 groups (the passes of two groups share its arrays)");
 
 /* The counts of keys below each of n x 32 keys q[] (bits reversed, as
- * search64), level by level over the n vectors so that their chains overlap. */
-INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j) {
+ * search64), level by level over the n vectors so that their chains overlap;
+ * tie[v]: the lanes whose key equals the key above their count, the one case
+ * the keys cannot decide (key_codes_t, key_ties). That key is the last one on
+ * the lane's path that was not below it (in a binary search, the successor of
+ * the final interval is its last left turn), so each level keeps it by a
+ * blend, from -32768, which no key is (they are within +-16385, or 32767). */
+INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j,
+                       __mmask32 *tie) {
   const int16_t *w = kt->key;
   __mmask32 k7[2 * KEY_GROUPS];
-  for (int v = 0; v < n; v++)
-    j[v] = _mm512_maskz_mov_epi16(
-        _mm512_cmpgt_epi16_mask(q[v], _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)])), _mm512_set1_epi16(1));
+  __m512i ub[2 * KEY_GROUPS];
+  const __m512i t1 = _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)]);
+  for (int v = 0; v < n; v++) {
+    const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], t1);
+    j[v] = _mm512_maskz_mov_epi16(k, _mm512_set1_epi16(1));
+    ub[v] = _mm512_mask_mov_epi16(t1, k, _mm512_set1_epi16(-32768));
+  }
   for (int level = 2; level <= 6; level++) {
     const __m512i t = _mm512_loadu_si512(w + GEFEN_LEVEL_AT(level));
-    for (int v = 0; v < n; v++)
-      j[v] = _mm512_mask_add_epi16(j[v], _mm512_cmpgt_epi16_mask(q[v], _mm512_permutexvar_epi16(j[v], t)),
-                                   j[v], _mm512_set1_epi16((short)(1 << (level - 1))));
+    for (int v = 0; v < n; v++) {
+      const __m512i probe = _mm512_permutexvar_epi16(j[v], t);
+      const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], probe);
+      j[v] = _mm512_mask_add_epi16(j[v], k, j[v], _mm512_set1_epi16((short)(1 << (level - 1))));
+      ub[v] = _mm512_mask_mov_epi16(probe, k, ub[v]);
+    }
   }
   for (int v = 0; v < n; v++) {
-    k7[v] = _mm512_cmpgt_epi16_mask(
-        q[v], _mm512_permutex2var_epi16(_mm512_loadu_si512(w + GEFEN_LEVEL_AT(7)), j[v],
-                                  _mm512_loadu_si512(w + GEFEN_LEVEL_AT(7) + 32)));
+    const __m512i probe = _mm512_permutex2var_epi16(_mm512_loadu_si512(w + GEFEN_LEVEL_AT(7)), j[v],
+                                                    _mm512_loadu_si512(w + GEFEN_LEVEL_AT(7) + 32));
+    k7[v] = _mm512_cmpgt_epi16_mask(q[v], probe);
     j[v] = _mm512_mask_add_epi16(j[v], k7[v], j[v], _mm512_set1_epi16(64));
+    ub[v] = _mm512_mask_mov_epi16(probe, k7[v], ub[v]);
   }
   for (int v = 0; v < n; v++) {
     const __m512i lo =
         _mm512_permutex2var_epi16(_mm512_loadu_si512(w), j[v], _mm512_loadu_si512(w + 32));
     const __m512i hi =
         _mm512_permutex2var_epi16(_mm512_loadu_si512(w + 64), j[v], _mm512_loadu_si512(w + 96));
-    const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], _mm512_mask_blend_epi16(k7[v], lo, hi));
+    const __m512i probe = _mm512_mask_blend_epi16(k7[v], lo, hi);
+    const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], probe);
     j[v] = _mm512_mask_add_epi16(j[v], k, j[v], _mm512_set1_epi16(128));
+    tie[v] = _mm512_cmpeq_epi16_mask(q[v], _mm512_mask_mov_epi16(probe, k, ub[v]));
   }
+}
+
+/* Ties settled after the search (requantize_keys, the whole groups of a
+ * block): the search of a chunk's groups stores their counts as codes and
+ * records their tied lanes (key_counts64); key_ties then adds one to the code
+ * of each tied lane whose m is above the threshold above its count, in
+ * scalar code, before any of the chunk's codes is decoded. About 1% of lanes
+ * tie (0.8-1.2% measured with fresh gradients; with the same gradient every
+ * step, as the benchmarks give, fewer: m stays near its code); the look-up of
+ * that threshold in every lane by byte planes (key_codes_t, still used for
+ * the last groups of a block) costs more (docs/performance.md, "Ties settled
+ * in scalar code"). key_rev8[c]: c's bits reversed, its threshold's place in
+ * search order. */
+static const uint8_t key_rev8[256] = {0,128,64,192,32,160,96,224,16,144,80,208,48,176,112,240,8,136,72,200,40,168,104,232,24,152,88,216,56,184,120,248,4,132,68,196,36,164,100,228,20,148,84,212,52,180,116,244,12,140,76,204,44,172,108,236,28,156,92,220,60,188,124,252,2,130,66,194,34,162,98,226,18,146,82,210,50,178,114,242,10,138,74,202,42,170,106,234,26,154,90,218,58,186,122,250,6,134,70,198,38,166,102,230,22,150,86,214,54,182,118,246,14,142,78,206,46,174,110,238,30,158,94,222,62,190,126,254,1,129,65,193,33,161,97,225,17,145,81,209,49,177,113,241,9,137,73,201,41,169,105,233,25,153,89,217,57,185,121,249,5,133,69,197,37,165,101,229,21,149,85,213,53,181,117,245,13,141,77,205,45,173,109,237,29,157,93,221,61,189,125,253,3,131,67,195,35,163,99,227,19,147,83,211,51,179,115,243,11,139,75,203,43,171,107,235,27,155,91,219,59,187,123,251,7,135,71,199,39,167,103,231,23,151,87,215,55,183,119,247,15,143,79,207,47,175,111,239,31,159,95,223,63,191,127,255};
+
+/* G whole groups of m at m[0..64 G) searched: their counts stored as codes
+ * (element order) at codes[0..64 G), and each group's tied lanes in tie[h]:
+ * bit 32 s + w for word w of its vector q[2 h + s] (key_ties). m in the
+ * packed order where packed (the codes are not). */
+INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint8_t *codes,
+                         const int packed, uint64_t *tie) {
+  const __m512 vr = _mm512_set1_ps(kt->r);
+  __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
+  __mmask32 t[2 * KEY_GROUPS];
+  /* the packs interleave 4-lane groups exactly as codes_t_of does */
+  for (int v = 0; v < 2 * G; v++)
+    q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr),
+                              key16(_mm512_loadu_ps(m + 32 * v + 16), vr));
+  key_search(kt, 2 * G, q, j, t);
+  for (int h = 0; h < G; h++) {
+    const __m512i c_t = reverse_bits(_mm512_packus_epi16(j[2 * h], j[2 * h + 1]));
+#if PACKED_BF16
+    if (packed)
+      store_packed_t(c_t, codes + 64 * h);
+    else
+#else
+    (void)packed;
+#endif
+      store_t(c_t, codes + 64 * h, ~(__mmask64)0);
+    tie[h] = (uint64_t)t[2 * h] | (uint64_t)t[2 * h + 1] << 32;
+  }
+}
+
+/* The tied lanes of n groups (key_counts64) settled: m[i] above the scaled
+ * threshold above the count (thresholds t in search order: at the count's
+ * bits reversed) adds one to the code. Bit 32 s + w of a group's tie word is
+ * its element at vector 2 s + (w >> 2 & 1), lane 4 (w >> 3) + (w & 3), of m
+ * (the packs' order); the code's element is that one, or in the packed order
+ * vector v, lane i is element 32 (v / 2) + 2 i + v % 2. A NaN ties nothing. */
+INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float *m,
+                     uint8_t *codes, const int packed) {
+  for (int64_t g = 0; g < n; g++)
+    for (uint64_t k = tie[g]; k; k &= k - 1) {
+      const int b = __builtin_ctzll(k);
+      const int v = 2 * (b >> 5) + (b >> 2 & 1), lane = 4 * (b >> 3 & 3) + (b & 3);
+      const int64_t mi = 64 * g + 16 * v + lane;
+      const int64_t ci = packed ? 64 * g + 32 * (v >> 1) + 2 * lane + (v & 1) : mi;
+      const uint8_t c = codes[ci];
+      codes[ci] = (uint8_t)(c + (m[mi] > t[key_rev8[c]]));
+    }
 }
 
 /* The codes of g groups (1 or 2) of 4 x 16 values m (element order) in the
@@ -579,7 +661,8 @@ INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
   for (int v = 0; v < 2 * g; v++)
     q[v] = _mm512_packs_epi32(key16(m[2 * v], vr), key16(m[2 * v + 1], vr));
-  key_search(kt, 2 * g, q, j);
+  __mmask32 tie[2 * KEY_GROUPS];
+  key_search(kt, 2 * g, q, j, tie); /* (tie unused: every lane is compared below) */
   for (int h = 0; h < g; h++) {
     /* the count's code and the threshold above it, both by its reversed bits */
     const __m512i bits_t = _mm512_packus_epi16(j[2 * h], j[2 * h + 1]);
@@ -742,22 +825,41 @@ INLINE void emit64(planes_ptr vt, const int tabled, __m512i codes_t, float *m, _
   sink_values64(sk, kind, dt, out_dt, m, vmx, j, km, packed, tabled, c);
 }
 
-/* G whole groups at j, j + 64, ... by the key search, their chains
- * overlapping. */
-INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *kt, const int G,
-                            float *m, __m512 vmx, int64_t len, uint8_t *codes,
-                            const gefen_sink *sk, const gefen_sink_kind kind,
-                            const gefen_dtype dt, const gefen_dtype out_dt, int64_t j,
-                            const int packed) {
-  if (kind != GEFEN_SINK_M && kind != GEFEN_SINK_CODES)
-    gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + j + len, 64 * G);
-  __m512 u[4 * KEY_GROUPS];
-  __m512i codes_t[KEY_GROUPS];
-  for (int v = 0; v < 4 * G; v++) u[v] = _mm512_loadu_ps(m + j + 16 * v);
-  key_codes_t(kt, G, u, codes_t);
-  for (int h = 0; h < G; h++)
-    emit64(vt, tabled, codes_t[h], m, vmx, codes, sk, kind, dt, out_dt, j + 64 * h, ~(__mmask64)0,
-           packed);
+/* Elements per chunk of the key passes (requantize_keys): a chunk's search,
+ * its ties, then its decoding; its m and codes stay in L1. In cache on Zen 4
+ * 512 and 1024 measured alike, 256 and 2048 slower. */
+#define KEY_CHUNK 1024
+_Static_assert(KEY_CHUNK % (64 * KEY_GROUPS) == 0, "KEY_CHUNK: whole search steps");
+
+/* The whole groups of [j, end) (end - j a multiple of 128, at most KEY_CHUNK)
+ * by the key search, KEY_GROUPS groups per step (then 2) so that their chains
+ * overlap: the counts and ties (key_counts64), the ties settled (key_ties),
+ * then each group's codes decoded (vt: the block's value table where tabled,
+ * else the codebook's planes) to the sink. m in the packed order where
+ * packed. */
+INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *kt, float *m,
+                            __m512 vmx, int64_t len, uint8_t *codes, const gefen_sink *sk,
+                            const gefen_sink_kind kind, const gefen_dtype dt,
+                            const gefen_dtype out_dt, int64_t j, int64_t end, const int packed) {
+  uint64_t tie[KEY_CHUNK / 64];
+  int64_t i = j;
+  for (; i + 64 * KEY_GROUPS <= end; i += 64 * KEY_GROUPS)
+    key_counts64(kt, KEY_GROUPS, m + i, codes + i, packed, tie + (i - j) / 64);
+  for (; i < end; i += 128) key_counts64(kt, 2, m + i, codes + i, packed, tie + (i - j) / 64);
+  key_ties(kt->t, tie, (end - j) / 64, m + j, codes + j, packed);
+  if (kind == GEFEN_SINK_CODES) return;
+  for (i = j; i < end; i += 64) {
+    if (kind != GEFEN_SINK_M)
+      gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + i + len, 64);
+    __m512 c[4];
+#if PACKED_BF16
+    if (packed)
+      decode_codes64_packed(vt, codes + i, c);
+    else
+#endif
+      decode_codes64_with(vt, codes + i, ~(__mmask64)0, c);
+    sink_values64(sk, kind, dt, out_dt, m, vmx, i, ~(__mmask64)0, packed, tabled, c);
+  }
 }
 #endif
 
@@ -858,12 +960,10 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
 #if KEY_SEARCH
 #define KEY_PASSES(MODE, TABLED)                                                           \
   if (MODE == BY_KEYS) {                                                                   \
-    for (; j + 64 * KEY_GROUPS <= len; j += 64 * KEY_GROUPS)                               \
-      requantize_keys(vt, TABLED, kt, KEY_GROUPS, m, vmx, len, codes, sk, kind, dt, out_dt, \
-                      j, packed);                                                          \
-    for (; j + 128 <= len; j += 128)                                                       \
-      requantize_keys(vt, TABLED, kt, 2, m, vmx, len, codes, sk, kind, dt, out_dt, j,      \
-                      packed);                                                             \
+    for (const int64_t whole = len / 128 * 128; j < whole; j += KEY_CHUNK)                \
+      requantize_keys(vt, TABLED, kt, m, vmx, len, codes, sk, kind, dt, out_dt, j,          \
+                      j + KEY_CHUNK < whole ? j + KEY_CHUNK : whole, packed);               \
+    j = len / 128 * 128;                                                                   \
   }
 #else
 #define KEY_PASSES(MODE, TABLED) (void)0

@@ -129,14 +129,19 @@ INLINE void decode_codes64_packed(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE], c
 }
 
 /* 64 codes given in transposed order stored for a packed group (element
- * order), and their entries of the table plane in the packed order. */
-INLINE void store_and_decode64_packed_t(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE],
-                                        __m512i codes_t, uint8_t *codes, __m512 out[4]) {
+ * order). */
+INLINE void store_packed_t(__m512i codes_t, uint8_t *codes) {
   static const uint8_t back[64] = {0,  4,  1,  5,  2,  6,  3,  7,  16, 20, 17, 21, 18, 22, 19, 23,
                                    32, 36, 33, 37, 34, 38, 35, 39, 48, 52, 49, 53, 50, 54, 51, 55,
                                    8,  12, 9,  13, 10, 14, 11, 15, 24, 28, 25, 29, 26, 30, 27, 31,
                                    40, 44, 41, 45, 42, 46, 43, 47, 56, 60, 57, 61, 58, 62, 59, 63};
   _mm512_storeu_si512(codes, _mm512_permutexvar_epi8(_mm512_loadu_si512(back), codes_t));
+}
+
+/* The same, and their entries of the table plane in the packed order. */
+INLINE void store_and_decode64_packed_t(const uint8_t (*plane)[GEFEN_CODEBOOK_SIZE],
+                                        __m512i codes_t, uint8_t *codes, __m512 out[4]) {
+  store_packed_t(codes_t, codes);
   lookup_planes64(plane, codes_t, out);
 }
 
