@@ -96,13 +96,14 @@ TARGET __attribute__((noinline)) static void decode_values(const gefen_quant_sea
   }
 }
 
-/* The counts of the 16-bit key search (all eight levels) for N keys, n vectors of 32
- * keys per search step: n overlapping chains of (permute, compare into a mask, masked
- * add). The kernels take 2 x KEY_GROUPS (block_avx512_kernels.h). */
-#define KEY_COUNTS(n)                                                                      \
-  TARGET __attribute__((noinline)) static void key_counts_##n(const key_tables *kt,       \
-                                                             const __m512i *q, __m512i *j) { \
-    for (int i = 0; i < N / 32; i += n) key_search(kt, n, q + i, j + i);                  \
+/* The counts and ties of the 16-bit key search (all eight levels) for N keys, n vectors
+ * of 32 keys per search step: n overlapping chains of (permute, compare into a mask,
+ * masked add, the blend that keeps the key above the count). The kernels take
+ * 2 x KEY_GROUPS (block_avx512_kernels.h). */
+#define KEY_COUNTS(n)                                                                       \
+  TARGET __attribute__((noinline)) static void key_counts_##n(                             \
+      const key_tables *kt, const __m512i *q, __m512i *j, __mmask32 *tie) {                \
+    for (int i = 0; i < N / 32; i += n) key_search(kt, n, q + i, j + i, tie + i);          \
   }
 KEY_COUNTS(2)
 KEY_COUNTS(4)
@@ -148,7 +149,8 @@ int main(int argc, char **argv) {
   scaled_thresholds(&q->search, mx, scaled);
   _Alignas(64) key_tables kt;
   __m512i *keys = aligned_alloc(64, 2 * (N / 32) * sizeof(__m512i)), *counts = keys + N / 32;
-  if (!keys) return 1;
+  __mmask32 *ties = malloc((N / 32) * sizeof(__mmask32));
+  if (!keys || !ties) return 1;
   key_prepare(scaled, mx, m, &kt, keys);
   _Alignas(64) float seed[16]; /* the permutes' index: the bits of small floats */
   for (int i = 0; i < 16; i++) seed[i] = 1.0f + (float)i;
@@ -167,9 +169,9 @@ int main(int argc, char **argv) {
     const double d = now() - t0;
     for (int k = 0; k < 3; k++) {
       t0 = now();
-      if (k == 0) key_counts_2(&kt, keys, counts);
-      else if (k == 1) key_counts_4(&kt, keys, counts);
-      else key_counts_8(&kt, keys, counts);
+      if (k == 0) key_counts_2(&kt, keys, counts, ties);
+      else if (k == 1) key_counts_4(&kt, keys, counts, ties);
+      else key_counts_8(&kt, keys, counts, ties);
       const double e = now() - t0;
       t_keys[k] = e < t_keys[k] ? e : t_keys[k];
     }
@@ -186,12 +188,13 @@ int main(int argc, char **argv) {
   printf("  search, codes stored                 %6.1f\n", t_codes * per64);
   printf("  search, codes stored, values formed  %6.1f\n", t_values * per64);
   printf("  decode of stored codes               %6.1f\n", t_decode * per64);
-  printf("  16-bit key search (counts only), 2 / 4 / 8 chains of 32 keys: %.1f / %.1f / %.1f\n",
+  printf("  16-bit key search (counts and ties), 2 / 4 / 8 chains of 32 keys: %.1f / %.1f / %.1f\n",
          t_keys[0] * per64, t_keys[1] * per64, t_keys[2] * per64);
   gefen_quantizer_destroy(q);
   free(m);
   free(codes);
   free(keys);
+  free(ties);
   return 0;
 }
 

@@ -487,18 +487,23 @@ INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
 /* The search over 16-bit keys (a file with byte look-ups defines KEY_SEARCH
  * as 1): 32 lanes per vector instead of 16, then one exact comparison.
  *
- * key(x) = (int16) RN(min(x * r, 32767)) with r = 16384 / mx is a
+ * key(x) = (int16) RN(min(x * r, 32767)) with r = 32767 / mx is a
  * non-decreasing function of x (NaN: 32767), so for the scaled thresholds T
  * of a block and their keys K = key(T), K < key(m) implies m > T, and K >
  * key(m) implies m <= T. With the keys strictly increasing, the count c of
  * keys below key(m) is the exact count or one less, and the exact count is
- * c + (m above T[c + 1]): one look-up of that threshold through its four
- * byte planes and one comparison. The keys of a block are strictly
- * increasing when the thresholds are at least 2^-12 apart (key_ok: their
- * keys are then about 4 or more apart, the rounding errors of T and of the
- * key about 0.004) and mx >= 2^-96 (T is then exact to far below a key
- * unit). NaN has key 32767, above every key (all are within +-16385), so c is
- * 255, and the comparison (true for NaN) saturates at 255: NaN's code. */
+ * c + (m above T[c + 1]), which only a lane whose key equals K[c + 1] can
+ * need: one comparison with that threshold (key_ties; key_codes_t looks it
+ * up for every lane). The keys of a block are strictly increasing when the
+ * thresholds are at least 2^-12 apart (key_ok: their keys are then about 8
+ * or more apart, the rounding errors of T and of the key about 0.004; of the
+ * thresholds, all in [-1, 1], at most one is close enough to 1 for T to take
+ * the key 32767) and mx >= 2^-96 (T is then exact to far below a key unit).
+ * m and NaN have keys within -32767..32767; NaN's, 32767, is at least every
+ * threshold's key, so c is 255, or 254 and a tie with the top threshold,
+ * whose comparison (true for NaN: "not at most") makes it 255: NaN's code.
+ * (The scale was 16384 / mx until the ties were settled apart: the finer
+ * keys tie half as often.) */
 typedef struct {
   /* the keys of the scaled thresholds in search order (gefen_quant_search's
    * order: level L's run at GEFEN_LEVEL_AT(L)), then 32 zeros, so that every
@@ -524,7 +529,7 @@ INLINE __m512i key16(__m512 x, __m512 vr) {
 /* The key tables of a block with magnitude mx from its scaled thresholds t
  * (scale_order). */
 INLINE void key_setup(const float *t, float mx, key_tables *kt) {
-  kt->r = 16384.0f / mx;
+  kt->r = 32767.0f / mx;
   const __m512 vr = _mm512_set1_ps(kt->r);
   for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
     _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
@@ -552,7 +557,8 @@ _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
  * the keys cannot decide (key_codes_t, key_ties). That key is the last one on
  * the lane's path that was not below it (in a binary search, the successor of
  * the final interval is its last left turn), so each level keeps it by a
- * blend, from -32768, which no key is (they are within +-16385, or 32767). */
+ * blend, from -32768, which no key is (m's and the thresholds' keys are
+ * within -32767..32767). */
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j,
                        __mmask32 *tie) {
   const int16_t *w = kt->key;
@@ -638,7 +644,8 @@ INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint
  * bits reversed) adds one to the code. Bit 32 s + w of a group's tie word is
  * its element at vector 2 s + (w >> 2 & 1), lane 4 (w >> 3) + (w & 3), of m
  * (the packs' order); the code's element is that one, or in the packed order
- * vector v, lane i is element 32 (v / 2) + 2 i + v % 2. A NaN ties nothing. */
+ * vector v, lane i is element 32 (v / 2) + 2 i + v % 2. "Above" is "not at
+ * most", so that a NaN tied with the top threshold takes code 255. */
 INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float *m,
                      uint8_t *codes, const int packed) {
   for (int64_t g = 0; g < n; g++)
@@ -648,7 +655,7 @@ INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float
       const int64_t mi = 64 * g + 16 * v + lane;
       const int64_t ci = packed ? 64 * g + 32 * (v >> 1) + 2 * lane + (v & 1) : mi;
       const uint8_t c = codes[ci];
-      codes[ci] = (uint8_t)(c + (m[mi] > t[key_rev8[c]]));
+      codes[ci] = (uint8_t)(c + !(m[mi] <= t[key_rev8[c]]));
     }
 }
 

@@ -571,11 +571,12 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
    * two, one and a partial one: 2 x 256 + 128 + 64 + 5), 1047, 2095 */
   for (int64_t len = 1; len <= MAXL;
        len = len < 130 ? len + 1 : len == 523 ? 709 : len == 709 ? 1047 : len * 2 + 1) {
-    for (int variant = 0; variant < 6; variant++) {
+    for (int variant = 0; variant < 7; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
        * neighbours, with mx a power of two so that b * mx can be exact, 5:
-       * tiny values (max |m| about 2^-118, where 16384 / max |m| overflows) */
+       * tiny values (max |m| about 2^-118, where 16384 / max |m| overflows), 6:
+       * NaNs among finite values (a finite max |m|: the key search sees them) */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
         m0[j] = variant == 2   ? 0.0f
@@ -590,6 +591,11 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
         for (int s = 0; s < 10 && s < len; s++) {
           const int64_t i = (int64_t)(rng() % (uint64_t)len);
           memcpy(&m0[i], &specials[s], 4);
+        }
+      if (variant == 6)
+        for (int s = 0; s < 12 && s < len; s++) {
+          const int64_t i = (int64_t)(rng() % (uint64_t)len);
+          memcpy(&m0[i], &specials[s % 3], 4); /* the three NaNs */
         }
       if (variant == 0) /* special values in the gradient (Adam's parameters, Muon's
                          * Nesterov blend) where mq is finite, so that no two NaNs of
@@ -667,7 +673,7 @@ static void test_requantize_apply(void) {
   const gefen_block_ops *simd[TEST_SIMD_MAX];
   const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
-  float c[6][256];
+  float c[7][256];
   learned_codebook(c[0], 3500);
   subnormal_codebook(c[4]);
   learned_codebook(c[1], 40); /* padded: repeated entries */
@@ -680,14 +686,19 @@ static void test_requantize_apply(void) {
   /* entries one histogram bin apart: the 16-bit keys of their thresholds are
    * about 8 apart */
   one_bin_codebook(c[5]);
-  for (int k = 0; k < 6; k++) {
+  /* a top threshold within 2^-16 of 1 (0.99999): its 16-bit key is a NaN's,
+   * 32767, so a NaN's count ties it and the comparison must make it 255 */
+  for (int i = 0; i < 254; i++) c[6][i] = -1.0f + 2.0f * (float)i / 255.0f;
+  c[6][254] = 0.99998f;
+  c[6][255] = 1.0f;
+  for (int k = 0; k < 7; k++) {
     gefen_quantizer *q = NULL;
     gefen_error err;
     CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
     /* the search over 16-bit keys (block_avx512_kernels.h) runs for the
      * learned and the close codebook, not for repeated or too close entries */
-    if (q && (k == 0 || k == 5 || k == 1 || k == 3))
-      CHECK(q->search.key_ok == (k == 0 || k == 5), "codebook %d: key_ok %d", k,
+    if (q && (k == 0 || k == 5 || k == 1 || k == 3 || k == 6))
+      CHECK(q->search.key_ok == (k == 0 || k == 5 || k == 6), "codebook %d: key_ok %d", k,
             q->search.key_ok);
     if (q)
       CHECK(q->search.key_search == (q->search.key_ok && gefen_cpu_prefers_key_search()),
