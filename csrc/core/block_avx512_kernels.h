@@ -602,14 +602,12 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
  * block): the search of a chunk's groups stores their counts as codes and
  * records their tied lanes (key_counts64); key_ties then adds one to the code
  * of each tied lane whose m is above the threshold above its count, in
- * scalar code, before any of the chunk's codes is decoded. About 1% of lanes
- * tie (0.8-1.2% measured with fresh gradients; with the same gradient every
+ * scalar code, before any of the chunk's codes is decoded. About 0.6% of
+ * lanes tie (measured with fresh gradients; with the same gradient every
  * step, as the benchmarks give, fewer: m stays near its code); the look-up of
  * that threshold in every lane by byte planes (key_codes_t, still used for
  * the last groups of a block) costs more (docs/performance.md, "Ties settled
- * in scalar code"). key_rev8[c]: c's bits reversed, its threshold's place in
- * search order. */
-static const uint8_t key_rev8[256] = {0,128,64,192,32,160,96,224,16,144,80,208,48,176,112,240,8,136,72,200,40,168,104,232,24,152,88,216,56,184,120,248,4,132,68,196,36,164,100,228,20,148,84,212,52,180,116,244,12,140,76,204,44,172,108,236,28,156,92,220,60,188,124,252,2,130,66,194,34,162,98,226,18,146,82,210,50,178,114,242,10,138,74,202,42,170,106,234,26,154,90,218,58,186,122,250,6,134,70,198,38,166,102,230,22,150,86,214,54,182,118,246,14,142,78,206,46,174,110,238,30,158,94,222,62,190,126,254,1,129,65,193,33,161,97,225,17,145,81,209,49,177,113,241,9,137,73,201,41,169,105,233,25,153,89,217,57,185,121,249,5,133,69,197,37,165,101,229,21,149,85,213,53,181,117,245,13,141,77,205,45,173,109,237,29,157,93,221,61,189,125,253,3,131,67,195,35,163,99,227,19,147,83,211,51,179,115,243,11,139,75,203,43,171,107,235,27,155,91,219,59,187,123,251,7,135,71,199,39,167,103,231,23,151,87,215,55,183,119,247,15,143,79,207,47,175,111,239,31,159,95,223,63,191,127,255};
+ * in scalar code"). */
 
 /* G whole groups of m at m[0..64 G) searched: their counts stored as codes
  * (element order) at codes[0..64 G), and each group's tied lanes in tie[h]:
@@ -627,13 +625,9 @@ INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint
   key_search(kt, 2 * G, q, j, t);
   for (int h = 0; h < G; h++) {
     const __m512i c_t = reverse_bits(_mm512_packus_epi16(j[2 * h], j[2 * h + 1]));
-#if PACKED_BF16
-    if (packed)
+    if (PACKED_BF16 && packed)
       store_packed_t(c_t, codes + 64 * h);
     else
-#else
-    (void)packed;
-#endif
       store_t(c_t, codes + 64 * h, ~(__mmask64)0);
     tie[h] = (uint64_t)t[2 * h] | (uint64_t)t[2 * h + 1] << 32;
   }
@@ -655,7 +649,7 @@ INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float
       const int64_t mi = 64 * g + 16 * v + lane;
       const int64_t ci = packed ? 64 * g + 32 * (v >> 1) + 2 * lane + (v & 1) : mi;
       const uint8_t c = codes[ci];
-      codes[ci] = (uint8_t)(c + !(m[mi] <= t[key_rev8[c]]));
+      codes[ci] = (uint8_t)(c + !(m[mi] <= t[gefen_bit_reverse8(c)]));
     }
 }
 
@@ -859,11 +853,9 @@ INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *k
     if (kind != GEFEN_SINK_M)
       gefen_prefetch(sk->out, gefen_esz(out_dt), sk->base + i + len, 64);
     __m512 c[4];
-#if PACKED_BF16
-    if (packed)
+    if (PACKED_BF16 && packed)
       decode_codes64_packed(vt, codes + i, c);
     else
-#endif
       decode_codes64_with(vt, codes + i, ~(__mmask64)0, c);
     sink_values64(sk, kind, dt, out_dt, m, vmx, i, ~(__mmask64)0, packed, tabled, c);
   }

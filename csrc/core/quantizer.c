@@ -86,12 +86,6 @@ static float key_float(uint32_t k) {
   return f;
 }
 
-static int bit_reverse8(int x) {
-  int r = 0;
-  for (int i = 0; i < 8; i++) r |= ((x >> i) & 1) << (7 - i);
-  return r;
-}
-
 /* The midpoint b of t and the next float above it (exact: 25 significant
  * bits), setting bit `bit` of *tie_up when a tie at b rounds up. */
 static double bound_above(float t, uint16_t *tie_up, int bit) {
@@ -127,7 +121,7 @@ static void build_search(gefen_quant_search *s, const float *c) {
   memset(s->tie_up, 0, sizeof s->tie_up);
   s->key_ok = 1;
   for (int j = 0; j < GEFEN_SEARCH_ENTRIES; j++) {
-    const int i = j < GEFEN_CODEBOOK_SIZE ? bit_reverse8(j) : GEFEN_CODEBOOK_SIZE - 1;
+    const int i = j < GEFEN_CODEBOOK_SIZE ? gefen_bit_reverse8(j) : GEFEN_CODEBOOK_SIZE - 1;
     const float t = i < GEFEN_CODEBOOK_SIZE - 1 ? s->threshold[i + 1] : 1.0f;
     s->order[j] = t;
     s->bound[j] = bound_above(t, &s->tie_up[j / 16], j % 16);
@@ -140,7 +134,7 @@ static void build_search(gefen_quant_search *s, const float *c) {
     memcpy(&bits, &c[j], sizeof bits);
     for (int b = 0; b < 4; b++) s->plane[b][j] = (uint8_t)(bits >> (8 * b));
     s->value_of[j] = c[j];
-    s->value_of_bits[j] = c[bit_reverse8(j)];
+    s->value_of_bits[j] = c[gefen_bit_reverse8(j)];
   }
   s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
 }

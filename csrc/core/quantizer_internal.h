@@ -17,6 +17,14 @@
 #define GEFEN_LEVEL_AT(L) (((1 << (8 - (L))) - 1) << (L))
 #define GEFEN_SEARCH_ENTRIES (GEFEN_CODEBOOK_SIZE + 16)
 
+/* The 8 bits of x (0..255) in reverse order: the place of count x's
+ * threshold in search order, and the reverse. */
+static inline int gefen_bit_reverse8(int x) {
+  int r = 0;
+  for (int i = 0; i < 8; i++) r |= ((x >> i) & 1) << (7 - i);
+  return r;
+}
+
 /* The nearest-code rule as a count of thresholds, for searches without table
  * look-ups in memory (quantizer.c builds it, the AVX-512 kernels use it).
  *

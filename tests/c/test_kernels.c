@@ -575,7 +575,7 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
        * neighbours, with mx a power of two so that b * mx can be exact, 5:
-       * tiny values (max |m| about 2^-118, where 16384 / max |m| overflows), 6:
+       * tiny values (max |m| about 2^-118, where 32767 / max |m| overflows), 6:
        * NaNs among finite values (a finite max |m|: the key search sees them) */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
