@@ -90,6 +90,10 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
   const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
   __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
   __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
+  /* unrolled: without it GCC 12 kept the prefetching (float32, AMD) variant's
+   * rows in a loop, their sums on the stack (a load and a store per 8 lanes),
+   * and that pass took 6% longer in cache on the Zen 4 VM (docs/performance.md) */
+#pragma GCC unroll 8
   for (int r = 0; r < n; r++) {
     const int64_t at = base + r * len + j;
     if (pf) /* float32: a line per row and 16 columns */
