@@ -4,7 +4,9 @@
  * this CPU's clock measured as search_ports does (vpermps zmm, eight at a time: one
  * per cycle on the CPUs measured, Sapphire Rapids and Zen 4). Inputs are normal
  * floats (a subnormal one made vdivps about three quarters slower on Zen 4). The
- * numbers behind docs/performance.md, "The key search's chains". Written in assembly
+ * numbers behind docs/performance.md, "The key search's chains" and (the float64
+ * additions and conversions of the factored statistics) "The factored form's extra
+ * cost, taken apart". Written in assembly
  * so that the counts do not depend on the compiler.
  *
  *   gcc -O2 benchmarks/zmm_costs.c -o zmm_costs && ./zmm_costs [iterations]
@@ -68,6 +70,12 @@
 #define I_TERNLOG(a, d, k) "vmovdqa64 %%zmm1, %%zmm" STR(d) "\n\tvpternlogd $0xf8, %%zmm2, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_BLENDW(a, d, k) "vpblendmw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "%{%%k" STR(k) "%}\n\t"
 #define I_ANDPS(a, d, k) "vandps %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+/* the factored statistics' operations (float64 sums of squares): an addition, the
+ * same as a fused multiply-add by 1.0 (accumulating: eight chains), the high half's
+ * extraction */
+#define I_ADDPD(a, d, k) "vaddpd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_FMAPD(a, d, k) "vfmadd231pd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
+#define I_EXTR(a, d, k) "vextractf64x4 $1, %%zmm" STR(a) ", %%ymm" STR(d) "\n\t"
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
@@ -110,6 +118,18 @@ RUN(t_permw_pslld, EIGHT2(I_PERMW, I_PSLLD))
 RUN(t_permw_pandd, EIGHT2(I_PERMW, I_PANDD))
 RUN(t_mulps_pslld, EIGHT2(I_MULPS, I_PSLLD))
 RUN(t_addps_pslld, EIGHT2(I_ADDPS, I_PSLLD))
+RUN(t_addpd, EIGHT(I_ADDPD))
+RUN(t_fmapd, EIGHT(I_FMAPD))
+RUN(t_extr, EIGHT(I_EXTR))
+RUN(t_addpd_fmapd, EIGHT2(I_ADDPD, I_FMAPD))
+RUN(t_addpd_cvtps2pd, EIGHT2(I_ADDPD, I_CVTPS2PD))
+RUN(t_fmapd_cvtps2pd, EIGHT2(I_FMAPD, I_CVTPS2PD))
+RUN(t_mulps_cvtps2pd, EIGHT2(I_MULPS, I_CVTPS2PD))
+RUN(t_addpd_cvtph2ps, EIGHT2(I_ADDPD, I_CVTPH2PS))
+RUN(t_fmapd_cvtph2ps, EIGHT2(I_FMAPD, I_CVTPH2PS))
+RUN(t_addpd_extr, EIGHT2(I_ADDPD, I_EXTR))
+RUN(t_cvtps2pd_extr, EIGHT2(I_CVTPS2PD, I_EXTR))
+RUN(t_cvtps2pd_cvtph2ps, EIGHT2(I_CVTPS2PD, I_CVTPH2PS))
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
@@ -165,6 +185,17 @@ int main(int argc, char **argv) {
       {"pairs: vpermw + vpandd", t_permw_pandd, 16},
       {"pairs: vmulps + vpslld", t_mulps_pslld, 16},
       {"pairs: vaddps + vpslld", t_addps_pslld, 16},
+      {"vaddpd", t_addpd, 8}, {"vfmadd231pd (8 chains)", t_fmapd, 8},
+      {"vextractf64x4", t_extr, 8},
+      {"pairs: vaddpd + vfmadd231pd", t_addpd_fmapd, 16},
+      {"pairs: vaddpd + vcvtps2pd", t_addpd_cvtps2pd, 16},
+      {"pairs: vfmadd231pd + vcvtps2pd", t_fmapd_cvtps2pd, 16},
+      {"pairs: vmulps + vcvtps2pd", t_mulps_cvtps2pd, 16},
+      {"pairs: vaddpd + vcvtph2ps", t_addpd_cvtph2ps, 16},
+      {"pairs: vfmadd231pd + vcvtph2ps", t_fmapd_cvtph2ps, 16},
+      {"pairs: vaddpd + vextractf64x4", t_addpd_extr, 16},
+      {"pairs: vcvtps2pd + vextractf64x4", t_cvtps2pd_extr, 16},
+      {"pairs: vcvtps2pd + vcvtph2ps", t_cvtps2pd_cvtph2ps, 16},
   };
   printf("throughput, cycles per instruction (8 independent, zmm):\n");
   for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)
