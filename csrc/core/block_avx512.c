@@ -70,6 +70,24 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
 
 /* ------------------------------------------------------------ other passes */
 
+/* g^2 of the 8 16-bit gradient values at `at` (or the first ones of k; the
+ * others 0) as float64: widened to float, squared, widened again, as
+ * gefen_add_lanes16 does for each half of a vector. Taken as two halves of 8
+ * instead of one vector of 16 (no vextractf64x4 for the high half; the
+ * conversions from 16 bits in 256-bit halves), the bfloat16 and float16
+ * statistics passes took 5-7% and 8-9% less time at 16.8M with one and two
+ * threads on the Zen 4 VM (10-14% in cache; the two forms side by side in one
+ * process), where the conversions and the float64 additions share pipes;
+ * float32 rows were 2-4% slower that way and keep one vector
+ * (docs/performance.md, "The factored form's extra cost, taken apart"). */
+INLINE __m512d square8_pd(const void *grad, gefen_dtype dt, int64_t at, __mmask8 k) {
+  const __m128i h = _mm_maskz_loadu_epi16(k, (const uint16_t *)grad + at);
+  const __m256 g =
+      dt == GEFEN_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                       : _mm256_maskz_cvtph_ps((__mmask8)0xff, h);
+  return _mm512_cvtps_pd(_mm256_mul_ps(g, g));
+}
+
 /* 16 columns at j of n rows (n <= ROWS_AT_ONCE, a constant): each row's
  * x = g^2 into its lanes and, row after row, into colsum[j..j+16), which is
  * loaded and stored once. Eight rows (18 of the 32 vector registers) load and
@@ -85,8 +103,8 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
 #define ROWS_AT_ONCE 8
 #define ROW_PREFETCH_BYTES 32768
 INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
-                   const int pf, int64_t j, __mmask16 k, double *colsum, __m512d *lo,
-                   __m512d *hi) {
+                   const int pf, const int halves, int64_t j, __mmask16 k, double *colsum,
+                   __m512d *lo, __m512d *hi) {
   const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
   __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
   __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
@@ -98,11 +116,16 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
     const int64_t at = base + r * len + j;
     if (pf) /* float32: a line per row and 16 columns */
       _mm_prefetch((const char *)grad + (size_t)(at * 4 + ROW_PREFETCH_BYTES), _MM_HINT_T1);
-    const __m512 g = gefen_load16(grad, dt, at, k);
-    const __m512 x = _mm512_mul_ps(g, g);
-    const __m512d x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-    const __m512d x_hi =
-        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    __m512d x_lo, x_hi;
+    if (halves) { /* 16-bit rows (square8_pd) */
+      x_lo = square8_pd(grad, dt, at, k_lo);
+      x_hi = square8_pd(grad, dt, at + 8, k_hi);
+    } else {
+      const __m512 g = gefen_load16(grad, dt, at, k);
+      const __m512 x = _mm512_mul_ps(g, g);
+      x_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+      x_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    }
     lo[r] = _mm512_add_pd(lo[r], x_lo); /* masked lanes add 0 */
     hi[r] = _mm512_add_pd(hi[r], x_hi);
     c_lo = _mm512_add_pd(c_lo, x_lo);
@@ -113,13 +136,14 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
 }
 
 INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, const int n,
-                   const int pf, double *colsum, double *sums) {
+                   const int pf, const int halves, double *colsum, double *sums) {
   __m512d lo[ROWS_AT_ONCE], hi[ROWS_AT_ONCE];
   for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_pd();
   int64_t j = 0;
   for (; j + 16 <= len; j += 16) /* a constant mask: plain loads and stores */
-    rows16(grad, dt, base, len, n, pf, j, (__mmask16)0xFFFF, colsum, lo, hi);
-  if (j < len) rows16(grad, dt, base, len, n, 0, j, gefen_tail_mask16(len - j), colsum, lo, hi);
+    rows16(grad, dt, base, len, n, pf, halves, j, (__mmask16)0xFFFF, colsum, lo, hi);
+  if (j < len)
+    rows16(grad, dt, base, len, n, 0, halves, j, gefen_tail_mask16(len - j), colsum, lo, hi);
   for (int r = 0; r < n; r++) sums[r] = gefen_sum_lanes16(lo[r], hi[r]);
 }
 
@@ -130,12 +154,17 @@ TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t bas
     return;
   }
   const int pf = dt == GEFEN_F32 && __builtin_cpu_is("amd"); /* see rows16 */
+  const int halves = dt != GEFEN_F32;                         /* see square8_pd */
   int64_t r = 0;
   for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE) {
-    if (pf) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 1, colsum, sums + r);
-    else rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 0, colsum, sums + r);
+    if (pf) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 1, 0, colsum, sums + r);
+    else if (halves) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 0, 1, colsum, sums + r);
+    else rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 0, 0, colsum, sums + r);
   }
-  for (; r < rows; r++) rows_t(grad, dt, base + r * len, len, 1, 0, colsum, sums + r);
+  for (; r < rows; r++) {
+    if (halves) rows_t(grad, dt, base + r * len, len, 1, 0, 1, colsum, sums + r);
+    else rows_t(grad, dt, base + r * len, len, 1, 0, 0, colsum, sums + r);
+  }
 }
 
 TARGET void gefen_avx512_apply_block(void *param, gefen_dtype dt, int64_t base, const float *mq,
