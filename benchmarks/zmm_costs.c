@@ -76,6 +76,10 @@
 #define I_ADDPD(a, d, k) "vaddpd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_FMAPD(a, d, k) "vfmadd231pd %%zmm1, %%zmm" STR(a) ", %%zmm" STR(d) "\n\t"
 #define I_EXTR(a, d, k) "vextractf64x4 $1, %%zmm" STR(a) ", %%ymm" STR(d) "\n\t"
+/* the same conversions in 256 bits, and the insertion that would put two halves back */
+#define I_CVTPH2PS_Y(a, d, k) "vcvtph2ps %%xmm" STR(a) ", %%ymm" STR(d) "\n\t"
+#define I_CVTPS2PH_Y(a, d, k) "vcvtps2ph $4, %%ymm" STR(a) ", %%xmm" STR(d) "\n\t"
+#define I_INS(a, d, k) "vinsertf64x4 $1, %%ymm" STR(a) ", %%zmm1, %%zmm" STR(d) "\n\t"
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
@@ -130,6 +134,11 @@ RUN(t_fmapd_cvtph2ps, EIGHT2(I_FMAPD, I_CVTPH2PS))
 RUN(t_addpd_extr, EIGHT2(I_ADDPD, I_EXTR))
 RUN(t_cvtps2pd_extr, EIGHT2(I_CVTPS2PD, I_EXTR))
 RUN(t_cvtps2pd_cvtph2ps, EIGHT2(I_CVTPS2PD, I_CVTPH2PS))
+RUN(t_cvtph2ps_y, EIGHT(I_CVTPH2PS_Y))
+RUN(t_cvtps2ph_y, EIGHT(I_CVTPS2PH_Y))
+RUN(t_ins, EIGHT(I_INS))
+RUN(t_addpd_cvtph2ps_y, EIGHT2(I_ADDPD, I_CVTPH2PS_Y))
+RUN(t_ins_cvtps2pd, EIGHT2(I_INS, I_CVTPS2PD))
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
@@ -196,6 +205,11 @@ int main(int argc, char **argv) {
       {"pairs: vaddpd + vextractf64x4", t_addpd_extr, 16},
       {"pairs: vcvtps2pd + vextractf64x4", t_cvtps2pd_extr, 16},
       {"pairs: vcvtps2pd + vcvtph2ps", t_cvtps2pd_cvtph2ps, 16},
+      {"vcvtph2ps ymm (8 values)", t_cvtph2ps_y, 8},
+      {"vcvtps2ph ymm (8 values)", t_cvtps2ph_y, 8},
+      {"vinsertf64x4", t_ins, 8},
+      {"pairs: vaddpd + vcvtph2ps ymm", t_addpd_cvtph2ps_y, 16},
+      {"pairs: vinsertf64x4 + vcvtps2pd", t_ins_cvtps2pd, 16},
   };
   printf("throughput, cycles per instruction (8 independent, zmm):\n");
   for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)

@@ -304,7 +304,8 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     if "nothing to measure" not in r.stdout:
         for what in ("one cycle", "vpermt2w", "vdivps", "pairs: vpermw + vcvtps2pd",
-                     "pairs: vfmadd231pd + vcvtps2pd", "key search level, 8 chains"):
+                     "pairs: vfmadd231pd + vcvtps2pd", "pairs: vinsertf64x4 + vcvtps2pd",
+                     "key search level, 8 chains"):
             assert what in r.stdout, what
     # search_ports: the search's stages in cycles of port 5 where the VBMI kernels run,
     # one line saying why not elsewhere
