@@ -527,15 +527,17 @@ INLINE __m512i key16(__m512 x, __m512 vr) {
 }
 
 /* The key tables of a block with magnitude mx from its scaled thresholds t
- * (scale_order). */
-INLINE void key_setup(const float *t, float mx, key_tables *kt) {
+ * (scale_order); their byte planes only with planes (key_codes_t reads them,
+ * for the groups of a block after its last whole 128: a block whose length
+ * is a multiple of 128 has none, and skips the 48 shuffles of the split). */
+INLINE void key_setup(const float *t, float mx, key_tables *kt, const int planes) {
   kt->r = 32767.0f / mx;
   const __m512 vr = _mm512_set1_ps(kt->r);
   for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
     _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
                         _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
   _mm512_storeu_si512(kt->key + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
-  split_planes(t, kt->plane); /* the thresholds in their own order */
+  if (planes) split_planes(t, kt->plane); /* the thresholds in their own order */
   kt->t = t;
 }
 
@@ -947,7 +949,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
 #if KEY_SEARCH
     if (len >= KEY_MIN_LEN && s->key_search && mx >= 0x1p-96f) {
       mode = BY_KEYS;
-      key_setup(scaled, mx, &keys);
+      key_setup(scaled, mx, &keys, len % 128 != 0);
     }
     if (len >= VALUE_MIN_LEN && kind != GEFEN_SINK_CODES) {
       sink_values(s, sk, kind, vmx, values);
