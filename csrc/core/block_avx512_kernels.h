@@ -158,25 +158,37 @@ INLINE __m512 momentum_of(__m512 cv, __m512 vomb, __m512 g, const int muon) {
 typedef const uint8_t (*planes_ptr)[GEFEN_CODEBOOK_SIZE];
 
 #if VALUE_TABLES
-/* t[0..256) as four byte planes, 64 at a time: each vector's bytes grouped by
- * plane (one byte permute), then a 4 x 4 transpose of 128-bit lanes. */
+/* t[0..256) as four byte planes, 64 at a time: two byte permutes of each
+ * pair of vectors give planes 0 and 1, and 2 and 3, of their 32 entries
+ * (16 bytes per vector and plane), then one 128-bit lane shuffle per plane
+ * joins the two pairs' halves (8 shuffles per 64 entries, where a byte
+ * permute of each vector and a 4 x 4 transpose of 128-bit lanes took 12). */
 INLINE void split_planes(const float *t, uint8_t (*plane)[GEFEN_CODEBOOK_SIZE]) {
-  static const uint8_t by_plane[64] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48,
-                                       52, 56, 60, 1,  5,  9,  13, 17, 21, 25, 29, 33, 37,
-                                       41, 45, 49, 53, 57, 61, 2,  6,  10, 14, 18, 22, 26,
-                                       30, 34, 38, 42, 46, 50, 54, 58, 62, 3,  7,  11, 15,
-                                       19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
-  const __m512i idx = _mm512_loadu_si512(by_plane);
+  /* output byte 16 l + k: byte b = 2 h + (l >> 1) of entry k of vector l & 1
+   * of the pair (64 + ... for the second vector), h = 0 or 1 */
+  static const _Alignas(64) uint8_t by_plane[2][64] = {
+     {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84,
+      88, 92, 96, 100, 104, 108, 112, 116, 120, 124, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37,
+      41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89, 93, 97, 101, 105, 109, 113, 117,
+      121, 125},
+     {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 66, 70, 74, 78, 82, 86,
+      90, 94, 98, 102, 106, 110, 114, 118, 122, 126, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39,
+      43, 47, 51, 55, 59, 63, 67, 71, 75, 79, 83, 87, 91, 95, 99, 103, 107, 111, 115, 119,
+      123, 127}};
+  const __m512i idx01 = _mm512_load_si512(by_plane[0]), idx23 = _mm512_load_si512(by_plane[1]);
   for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 64; g++) {
-    __m512i x[4];
-    for (int v = 0; v < 4; v++)
-      x[v] = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(t + 64 * g + 16 * v));
-    const __m512i t0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44), t1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
-    const __m512i t2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44), t3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
-    _mm512_storeu_si512(plane[0] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0x88));
-    _mm512_storeu_si512(plane[1] + 64 * g, _mm512_shuffle_i64x2(t0, t2, 0xDD));
-    _mm512_storeu_si512(plane[2] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0x88));
-    _mm512_storeu_si512(plane[3] + 64 * g, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+    const __m512i x0 = _mm512_loadu_si512(t + 64 * g);
+    const __m512i x1 = _mm512_loadu_si512(t + 64 * g + 16);
+    const __m512i x2 = _mm512_loadu_si512(t + 64 * g + 32);
+    const __m512i x3 = _mm512_loadu_si512(t + 64 * g + 48);
+    const __m512i a01 = _mm512_permutex2var_epi8(x0, idx01, x1);
+    const __m512i a23 = _mm512_permutex2var_epi8(x0, idx23, x1);
+    const __m512i b01 = _mm512_permutex2var_epi8(x2, idx01, x3);
+    const __m512i b23 = _mm512_permutex2var_epi8(x2, idx23, x3);
+    _mm512_storeu_si512(plane[0] + 64 * g, _mm512_shuffle_i64x2(a01, b01, 0x44));
+    _mm512_storeu_si512(plane[1] + 64 * g, _mm512_shuffle_i64x2(a01, b01, 0xEE));
+    _mm512_storeu_si512(plane[2] + 64 * g, _mm512_shuffle_i64x2(a23, b23, 0x44));
+    _mm512_storeu_si512(plane[3] + 64 * g, _mm512_shuffle_i64x2(a23, b23, 0xEE));
   }
 }
 
