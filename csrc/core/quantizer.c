@@ -136,6 +136,21 @@ static void build_search(gefen_quant_search *s, const float *c) {
     s->value_of[j] = c[j];
     s->value_of_bits[j] = c[gefen_bit_reverse8(j)];
   }
+  /* the single-precision scaling's half gaps, its groups left in float64, and
+   * the least mx for which every other h * mx is a normal float (h and
+   * 2^-126 / h are powers of two: exact) */
+  double h_min = 1.0;
+  for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
+    s->single_off[g] = 0;
+    for (int k = 0; k < 16; k++)
+      if (!(s->bound[16 * g + k] - (double)s->order[16 * g + k] >= 0x1p-149)) s->single_off[g] = 1;
+    for (int k = 0; k < 16; k++) {
+      const double h = s->bound[16 * g + k] - (double)s->order[16 * g + k]; /* exact */
+      s->half_up[16 * g + k] = s->single_off[g] ? 0.0f : (float)h;
+      if (!s->single_off[g] && h < h_min) h_min = h;
+    }
+  }
+  s->single_min_mx = (float)(0x1p-126 / h_min);
   s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
 }
 

@@ -44,12 +44,24 @@ static inline int gefen_bit_reverse8(int x) {
  * u > t exactly when m > RD(b * mx), rounded down to a float (or, for a tie
  * that rounds up, m > the float below RU(b * mx)). bound[] holds b for every
  * entry of order and tie_up[g] the entries of group g (16 entries) whose tie
- * rounds up: scaled by mx once per block, the search runs on m itself. */
+ * rounds up: scaled by mx once per block, the search runs on m itself.
+ *
+ * The same in single precision: b = t + h with h = half_up[j], half the gap
+ * from t to the float above it, a power of two; where h is a float and h * mx
+ * a normal one, h * mx is exact and one fused multiply-add rounds t * mx +
+ * h * mx = b * mx once, down (or up), as the float64 product is rounded. The
+ * AVX-512 kernels take that form for a block whose mx is at least
+ * single_min_mx, except in the groups of 16 entries marked in single_off
+ * (those with an entry whose h is below the floats: t zero or within 2^-125
+ * of it), which stay in float64. */
 typedef struct {
   float threshold[GEFEN_CODEBOOK_SIZE]; /* [0] unused (-inf) */
   float order[GEFEN_SEARCH_ENTRIES];    /* the thresholds in search order */
   double bound[GEFEN_SEARCH_ENTRIES];
   uint16_t tie_up[GEFEN_SEARCH_ENTRIES / 16];
+  float half_up[GEFEN_SEARCH_ENTRIES]; /* b - t (0 in the groups of single_off) */
+  float single_min_mx;                  /* 2^-126 / the least h outside single_off */
+  uint8_t single_off[GEFEN_SEARCH_ENTRIES / 16];
   /* every two consecutive thresholds at least 2^-12 apart, so that the 16-bit
    * keys of any block's scaled thresholds come out strictly increasing (the
    * key search of block_avx512_kernels.h, KEY_SEARCH) */

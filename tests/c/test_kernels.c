@@ -549,6 +549,24 @@ static void test_row_stats_long(void) {
         }
 }
 
+/* The largest float <= x, the smallest float >= x. */
+static float float_down(double x) {
+  float f = (float)x;
+  return (double)f > x ? nextafterf(f, -INFINITY) : f;
+}
+static float float_up(double x) {
+  float f = (float)x;
+  return (double)f < x ? nextafterf(f, INFINITY) : f;
+}
+
+/* G(e, mx): the scaled threshold of search entry e for the magnitude mx, as the
+ * rule of quantizer_internal.h gives it (u > t exactly when m > G). */
+static float scaled_threshold(const gefen_quantizer *q, int e, float mx) {
+  const double bm = q->search.bound[e] * (double)mx;
+  const int tie = (q->search.tie_up[e / 16] >> (e % 16)) & 1;
+  return tie ? nextafterf(float_up(bm), -INFINITY) : float_down(bm);
+}
+
 /* requantize_apply of one SIMD version against the portable one, for every
  * sink, dtype and length 1..130 (and some long ones), with special values in
  * m (NaN payloads, infinities, subnormals, +-0, +-mx), all-zero and all-NaN
@@ -571,12 +589,16 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
    * two, one and a partial one: 2 x 256 + 128 + 64 + 5), 1047, 2095 */
   for (int64_t len = 1; len <= MAXL;
        len = len < 130 ? len + 1 : len == 523 ? 709 : len == 709 ? 1047 : len * 2 + 1) {
-    for (int variant = 0; variant < 7; variant++) {
+    for (int variant = 0; variant < 8; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
        * neighbours, with mx a power of two so that b * mx can be exact, 5:
        * tiny values (max |m| about 2^-118, where 32767 / max |m| overflows), 6:
-       * NaNs among finite values (a finite max |m|: the key search sees them) */
+       * NaNs among finite values (a finite max |m|: the key search sees them),
+       * 7: magnitudes of all significands about the least one for which the
+       * kernels scale the thresholds in single precision (single_min_mx: half
+       * to twice it, where h * mx turns subnormal), m at the scaled thresholds
+       * G and their neighbours */
       float mx = 0.0f;
       for (int64_t j = 0; j < len; j++) {
         m0[j] = variant == 2   ? 0.0f
@@ -619,6 +641,18 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
           m0[j] = at[rng() % 4];
         }
         m0[0] = scale; /* max |m| is the scale itself */
+      }
+      if (variant == 7) {
+        const float top = q->search.single_min_mx * test_uniform(0.5f, 2.0f);
+        int64_t k = 0;
+        for (int64_t j = 0; j < len; j++) {
+          const float g = scaled_threshold(q, (int)(rng() % GEFEN_SEARCH_ENTRIES), top);
+          const float at[3] = {g, nextafterf(g, INFINITY), nextafterf(g, -INFINITY)};
+          const float x = at[rng() % 3];
+          if (fabsf(x) < top) m0[k++] = x; /* top stays max |m| */
+        }
+        for (; k < len; k++) m0[k] = 0.0f;
+        m0[0] = top;
       }
       for (int64_t j = 0; j < len; j++) {
         const float a = fabsf(m0[j]);
@@ -729,16 +763,6 @@ static void test_requantize_apply(void) {
   }
 }
 
-/* The largest float <= x, the smallest float >= x. */
-static float float_down(double x) {
-  float f = (float)x;
-  return (double)f > x ? nextafterf(f, -INFINITY) : f;
-}
-static float float_up(double x) {
-  float f = (float)x;
-  return (double)f < x ? nextafterf(f, INFINITY) : f;
-}
-
 /* The rule behind the search without division (quantizer_internal.h), in
  * plain C: RN(m / mx) > t exactly when m > G(t, mx), at and around G, for
  * magnitudes over the whole float range (subnormal, powers of two, near
@@ -764,8 +788,7 @@ static void test_scaled_rule(void) {
       }
       for (int e = 0; e < GEFEN_SEARCH_ENTRIES; e++) {
         const double bm = q->search.bound[e] * (double)mx;
-        const int tie = (q->search.tie_up[e / 16] >> (e % 16)) & 1;
-        const float g = tie ? nextafterf(float_up(bm), -INFINITY) : float_down(bm);
+        const float g = scaled_threshold(q, e, mx);
         const float ms[5] = {g, nextafterf(g, INFINITY), nextafterf(g, -INFINITY),
                              t[e] * mx, (float)bm};
         for (int i = 0; i < 5; i++) {
