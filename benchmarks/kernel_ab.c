@@ -10,8 +10,15 @@
  * the environment it says so and times them anyway: for upper bounds of a cost, a
  * stage left out on purpose, whose numbers are wrong).
  *
- *   kernel_ab A B [period] [blocks] [repetitions]
+ *   kernel_ab A B [period] [blocks] [repetitions] [period_b]
  *   kernel_ab avx512vbmi avx512bf16            two tables of kernels
+ *   kernel_ab avx512bf16 avx512bf16 2048 16 200 8192
+ *                                              the same elements as blocks of 2048
+ *                                              (A) and of 8192 (B): what a block
+ *                                              costs besides its elements (the
+ *                                              outputs differ, so they are not
+ *                                              compared; docs/performance.md,
+ *                                              "Per-block costs")
  *   kernel_ab avx512bf16-keys avx512bf16+keys  the 16-bit key search off and on
  *   kernel_ab portable avx2
  *
@@ -25,7 +32,7 @@
  *   bash benchmarks/kernel_ab.sh avx2@HEAD avx2     the last commit's AVX2 kernels
  *                                                   against the working tree's
  *   bash benchmarks/kernel_ab.sh avx512bf16@HEAD avx512bf16
- * Defaults: period 2048, 8 blocks, 200 repetitions per side.
+ * Defaults: period 2048, 8 blocks, 200 repetitions per side, period_b the period.
  *
  *   stages: fp32 block step (Adam momentum with the sum of g^2, then requantisation and
  *   update in one pass), the same with bfloat16 gradients and parameters (the packed
@@ -60,7 +67,8 @@ typedef struct {
 /* The buffers one version works on: gradients (fp32, bf16, fp16), parameters of the
  * three dtypes, codes, the Muon output and the per-block scratch. */
 typedef struct {
-  float *g, *p, *m, *scol, *gmax; /* gmax: max|g| of each block */
+  float *g, *p, *m, *scol;
+  float *gmax[2]; /* max|g| of each block of the period, and of period_b */
   uint16_t *g16, *p16, *h16, *ph16, *out;
   uint8_t *codes;
   float mx[N_STAGES];
@@ -76,12 +84,14 @@ static void *xmalloc(size_t n) {
   return p;
 }
 
-static void buffers_init(buffers *b, int64_t n, int64_t P) {
+static void buffers_init(buffers *b, int64_t n, int64_t P, int64_t PB) {
+  const int64_t most = P > PB ? P : PB;
   b->g = xmalloc((size_t)n * 4);
   b->p = xmalloc((size_t)n * 4);
-  b->m = xmalloc((size_t)P * 4);
-  b->gmax = xmalloc((size_t)(n / P) * 4);
-  b->scol = xmalloc((size_t)P * 4);
+  b->m = xmalloc((size_t)most * 4);
+  b->gmax[0] = xmalloc((size_t)(n / P) * 4);
+  b->gmax[1] = xmalloc((size_t)(n / PB) * 4);
+  b->scol = xmalloc((size_t)most * 4);
   b->g16 = xmalloc((size_t)n * 2);
   b->p16 = xmalloc((size_t)n * 2);
   b->h16 = xmalloc((size_t)n * 2);
@@ -104,18 +114,23 @@ static void buffers_init(buffers *b, int64_t n, int64_t P) {
     b->out[i] = 0;
     b->codes[i] = (uint8_t)(s >> 50);
   }
-  for (int64_t j = 0; j < P; j++) b->scol[j] = 0.5f + (float)j / (float)P;
-  for (int64_t k = 0; k < n / P; k++) {
-    float mx = 0.0f;
-    for (int64_t j = 0; j < P; j++) mx = fabsf(b->g[k * P + j]) > mx ? fabsf(b->g[k * P + j]) : mx;
-    b->gmax[k] = mx;
+  for (int64_t j = 0; j < most; j++) b->scol[j] = 0.5f + (float)(j % P) / (float)P;
+  for (int i = 0; i < 2; i++) {
+    const int64_t per = i ? PB : P;
+    for (int64_t k = 0; k < n / per; k++) {
+      float mx = 0.0f;
+      for (int64_t j = 0; j < per; j++)
+        mx = fabsf(b->g[k * per + j]) > mx ? fabsf(b->g[k * per + j]) : mx;
+      b->gmax[i][k] = mx;
+    }
   }
   memset(b->mx, 0, sizeof b->mx);
   memset(b->sq, 0, sizeof b->sq);
 }
 
 static void buffers_free(buffers *b) {
-  free(b->g), free(b->p), free(b->m), free(b->scol), free(b->gmax), free(b->g16), free(b->p16);
+  free(b->g), free(b->p), free(b->m), free(b->scol), free(b->gmax[0]), free(b->gmax[1]);
+  free(b->g16), free(b->p16);
   free(b->h16), free(b->ph16), free(b->out), free(b->codes);
 }
 
@@ -133,9 +148,10 @@ static float block_step(const version *v, const void *grad, gefen_dtype dt, void
   return mx;
 }
 
-/* Stage s of version v over the blocks of b (the state it changes, codes and
- * parameters, carries over from one call to the next, as in a run of steps). */
-static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P) {
+/* Stage s of version v over the blocks of b, P long (gm: b's gmax of that
+ * period; the state it changes, codes and parameters, carries over from one
+ * call to the next, as in a run of steps). */
+static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P, int gm) {
   const gefen_block_ops *ops = v->ops;
   const gefen_quantizer *q = v->q;
   for (int64_t base = 0; base < n; base += P) {
@@ -170,7 +186,7 @@ static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P)
       }
       case 5: /* m = the block's gradient, requantised into the codes */
         memcpy(b->m, b->g + base, (size_t)P * 4);
-        mx = b->gmax[base / P];
+        mx = b->gmax[gm][base / P];
         ops->requantize(q, b->m, mx, P, c);
         break;
       default:
@@ -186,10 +202,10 @@ static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P)
  * bit for bit. */
 static int same_outputs(const version *a, const version *b, int s, int64_t n, int64_t P) {
   buffers x, y;
-  buffers_init(&x, n, P);
-  buffers_init(&y, n, P);
-  run_stage(a, &x, s, n, P);
-  run_stage(b, &y, s, n, P);
+  buffers_init(&x, n, P, P);
+  buffers_init(&y, n, P, P);
+  run_stage(a, &x, s, n, P, 0);
+  run_stage(b, &y, s, n, P, 0);
   const char *what = NULL;
   if (memcmp(x.codes, y.codes, (size_t)n)) what = "codes";
   /* m is an output of the requantisation and of the momentum alone; after a fused
@@ -293,17 +309,22 @@ static void versions_free(version v[2]) {
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: kernel_ab A B [period] [blocks] [repetitions]\n");
+    fprintf(stderr, "usage: kernel_ab A B [period] [blocks] [repetitions] [period_b]\n");
     return 2;
   }
   const int64_t P = argc > 3 ? atoll(argv[3]) : 2048;
   const int64_t blocks = argc > 4 ? atoll(argv[4]) : 8;
   const int reps = argc > 5 ? atoi(argv[5]) : 200;
-  if (P < 1 || blocks < 1 || reps < 1) {
-    fprintf(stderr, "kernel_ab: period, blocks and repetitions must be positive\n");
+  const int64_t PB = argc > 6 ? atoll(argv[6]) : P; /* B's period */
+  if (P < 1 || blocks < 1 || reps < 1 || PB < 1) {
+    fprintf(stderr, "kernel_ab: periods, blocks and repetitions must be positive\n");
     return 2;
   }
   const int64_t n = P * blocks;
+  if (n % PB) {
+    fprintf(stderr, "kernel_ab: period_b must divide period x blocks (%lld)\n", (long long)n);
+    return 2;
+  }
   float cb[GEFEN_CODEBOOK_SIZE];
   if (bench_codebook(400.0, cb) != 0) return 2;
   version v[2] = {{0}};
@@ -315,23 +336,29 @@ int main(int argc, char **argv) {
     }
   }
   int differ = 0;
-  for (int s = 0; s < N_STAGES; s++) differ |= same_outputs(&v[0], &v[1], s, n, P);
+  if (PB == P) /* (blocks of another length give other outputs) */
+    for (int s = 0; s < N_STAGES; s++) differ |= same_outputs(&v[0], &v[1], s, n, P);
   const char *unchecked = getenv("KERNEL_AB_UNCHECKED");
   if (differ && !(unchecked && strcmp(unchecked, "1") == 0)) {
     versions_free(v);
     return 1;
   }
   printf("A = %s (key search %s), B = %s (key search %s): outputs %s; "
-         "%lld blocks of %lld, one thread, medians of %d repetitions per side, ABBA\n",
+         "%lld blocks of %lld",
          v[0].spec, v[0].q->search.key_search ? "on" : "off", v[1].spec,
          v[1].q->search.key_search ? "on" : "off",
-         differ ? "DIFFER (KERNEL_AB_UNCHECKED=1: timed anyway, for a bound only)" : "identical",
-         (long long)blocks, (long long)P, reps);
+         PB != P  ? "not compared (blocks of two lengths)"
+         : differ ? "DIFFER (KERNEL_AB_UNCHECKED=1: timed anyway, for a bound only)"
+                  : "identical",
+         (long long)blocks, (long long)P);
+  if (PB != P) printf(" (B: the same elements as %lld blocks of %lld)", (long long)(n / PB),
+                      (long long)PB);
+  printf(", one thread, medians of %d repetitions per side, ABBA\n", reps);
   /* both versions on the same buffers (their outputs agree, so the state they carry
    * from one repetition to the next is the same), so that neither gains from where
    * its buffers happen to lie */
   buffers b;
-  buffers_init(&b, n, P);
+  buffers_init(&b, n, P, PB);
   double *t[2][N_STAGES];
   for (int i = 0; i < 2; i++)
     for (int s = 0; s < N_STAGES; s++) t[i][s] = xmalloc(sizeof(double) * (size_t)reps);
@@ -340,7 +367,7 @@ int main(int argc, char **argv) {
     const int side = ((r + 1) / 2) % 2; /* A B B A A B B A ... */
     for (int s = 0; s < N_STAGES; s++) {
       const double t0 = now();
-      run_stage(&v[side], &b, s, n, P);
+      run_stage(&v[side], &b, s, n, side ? PB : P, side);
       t[side][s][taken[side]] = now() - t0;
     }
     taken[side]++;

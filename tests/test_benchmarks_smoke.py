@@ -258,6 +258,15 @@ def test_c_benchmarks_build_and_core_step_runs(tmp_path):
     for what in ("fp32 block step", "bf16 block step", "fp16 block step", "fp32 factored step",
                  "muon momentum+fused", "requantize alone", "momentum alone"):
         assert r.stdout.count(what) == 1, what
+    # kernel_ab's period_b: B runs the same elements as blocks of another length (what
+    # a block costs besides its elements); the outputs then differ and are not compared
+    r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "portable", "136", "4", "2",
+                        "272"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "not compared" in r.stdout and "2 blocks of 272" in r.stdout, r.stdout[-3000:]
+    r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "portable", "136", "3", "2",
+                        "272"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "must divide" in r.stderr
     r = subprocess.run([str(tmp_path / "kernel_ab"), "portable", "avx3"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "a version is" in r.stderr
