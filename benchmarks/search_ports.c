@@ -114,7 +114,7 @@ KEY_COUNTS(8)
 TARGET __attribute__((noinline)) static void key_prepare(const float *scaled, float mx,
                                                          const float *m, key_tables *kt,
                                                          __m512i *keys) {
-  key_setup(scaled, mx, kt);
+  key_setup(scaled, mx, kt, 1);
   const __m512 vr = _mm512_set1_ps(kt->r);
   for (int i = 0; i < N / 32; i++)
     keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr),
