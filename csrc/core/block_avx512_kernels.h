@@ -489,12 +489,16 @@ INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
     const __mmask16 tie = s->tie_up[g];
     __m512 t;
     if (single && !s->single_off[g]) {
-      const __m512 b = _mm512_loadu_ps(s->order + 16 * g);
-      const __m512 h = _mm512_mul_ps(_mm512_loadu_ps(s->half_up + 16 * g), vmx); /* exact */
-      t = _mm512_fmadd_round_ps(b, vmx, h, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      if (tie)
-        t = _mm512_mask_mov_ps(t, tie, float_below(_mm512_fmadd_round_ps(
-                                           b, vmx, h, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)));
+      /* h * mx (exact, normal) and, for a tie that rounds up, the float below it:
+       * RD(t * mx + that) is the largest float below b * mx, float_below(RU(b *
+       * mx)), as the step down (at most h * ulp(mx), the grid of the exact
+       * product b * mx) is more than 0 and at most the gap below b * mx (a
+       * normal float at least 2^24 h * mx / 2 in magnitude) */
+      const __m512 h = _mm512_mul_ps(_mm512_loadu_ps(s->half_up + 16 * g), vmx);
+      const __m512 c = _mm512_castsi512_ps(_mm512_mask_sub_epi32(
+          _mm512_castps_si512(h), tie, _mm512_castps_si512(h), _mm512_set1_epi32(1)));
+      t = _mm512_fmadd_round_ps(_mm512_loadu_ps(s->order + 16 * g), vmx, c,
+                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     } else {
       const __m512d lo = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g), vmxd); /* exact */
       const __m512d hi = _mm512_mul_pd(_mm512_loadu_pd(s->bound + 16 * g + 8), vmxd);
