@@ -477,10 +477,10 @@ INLINE __m512 float_below(__m512 x) {
  * m > RD(b * mx), or m > float_below(RU(b * mx)) when a tie at b rounds up
  * (gefen_quant_search). From single_min_mx on, b * mx is rounded by one fused
  * multiply-add of t * mx and the exact h * mx (b = t + h, gefen_quant_search)
- * instead of a float64 product and two conversions: the same floats, in 127
- * instead of 194 cycles a block on the Zen 4 VM (requantise alone 1-3.5% less
- * in cache; block steps 0-2% at 1024 elements, inside the noise at 2048;
- * docs/performance.md, "Per-block costs"). */
+ * instead of a float64 product and two conversions: the same floats, in
+ * 75-107 instead of 194 cycles a block on the Zen 4 VM with the ties as below
+ * (requantise alone 1-3.5% less in cache; with the other per-block changes,
+ * whole steps 1-3.7% less; docs/performance.md, "Per-block costs"). */
 INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
   const int single = mx >= s->single_min_mx;
   const __m512d vmxd = _mm512_set1_pd((double)mx);
