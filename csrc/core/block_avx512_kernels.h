@@ -480,7 +480,7 @@ INLINE __m512 float_below(__m512 x) {
  * instead of a float64 product and two conversions: the same floats, in
  * 75-107 instead of 194 cycles a block on the Zen 4 VM with the ties as below
  * (requantise alone 1-3.5% less in cache; with the other per-block changes,
- * whole steps 1-3.7% less; docs/performance.md, "Per-block costs"). */
+ * whole steps 0.6-3.7% less; docs/performance.md, "Per-block costs"). */
 INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
   const int single = mx >= s->single_min_mx;
   const __m512d vmxd = _mm512_set1_pd((double)mx);

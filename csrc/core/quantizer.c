@@ -141,13 +141,16 @@ static void build_search(gefen_quant_search *s, const float *c) {
    * 2^-126 / h are powers of two: exact) */
   double h_min = 1.0;
   for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++) {
-    s->single_off[g] = 0;
-    for (int k = 0; k < 16; k++)
-      if (!(s->bound[16 * g + k] - (double)s->order[16 * g + k] >= 0x1p-149)) s->single_off[g] = 1;
+    double h[16];
+    int off = 0;
     for (int k = 0; k < 16; k++) {
-      const double h = s->bound[16 * g + k] - (double)s->order[16 * g + k]; /* exact */
-      s->half_up[16 * g + k] = s->single_off[g] ? 0.0f : (float)h;
-      if (!s->single_off[g] && h < h_min) h_min = h;
+      h[k] = s->bound[16 * g + k] - (double)s->order[16 * g + k]; /* exact */
+      off |= !(h[k] >= 0x1p-149);
+    }
+    s->single_off[g] = (uint8_t)off;
+    for (int k = 0; k < 16; k++) {
+      s->half_up[16 * g + k] = off ? 0.0f : (float)h[k];
+      if (!off && h[k] < h_min) h_min = h[k];
     }
   }
   s->single_min_mx = (float)(0x1p-126 / h_min);

@@ -49,7 +49,9 @@ static inline int gefen_bit_reverse8(int x) {
  * The same in single precision: b = t + h with h = half_up[j], half the gap
  * from t to the float above it, a power of two; where h is a float and h * mx
  * a normal one, h * mx is exact and one fused multiply-add rounds t * mx +
- * h * mx = b * mx once, down (or up), as the float64 product is rounded. The
+ * h * mx = b * mx down once, as the float64 product is rounded (for a tie
+ * that rounds up, t * mx plus the float below h * mx: the float below b * mx,
+ * block_avx512_kernels.h, scale_order). The
  * AVX-512 kernels take that form for a block whose mx is at least
  * single_min_mx, except in the groups of 16 entries marked in single_off
  * (those with an entry whose h is below the floats: t zero or within 2^-125
