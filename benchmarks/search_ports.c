@@ -111,14 +111,15 @@ KEY_COUNTS(8)
 #undef KEY_COUNTS
 
 /* The key tables of the block and the keys of its N values. */
-TARGET __attribute__((noinline)) static void key_prepare(const float *scaled, float mx,
+TARGET __attribute__((noinline)) static void key_prepare(const gefen_quant_search *s,
+                                                         const float *scaled, float mx,
                                                          const float *m, key_tables *kt,
                                                          __m512i *keys) {
-  key_setup(scaled, mx, kt, 1);
-  const __m512 vr = _mm512_set1_ps(kt->r);
+  key_setup(s, scaled, mx, kt, 1);
+  const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   for (int i = 0; i < N / 32; i++)
-    keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr),
-                                 key16(_mm512_loadu_ps(m + 32 * i + 16), vr));
+    keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr, vtop),
+                                 key16(_mm512_loadu_ps(m + 32 * i + 16), vr, vtop));
 }
 
 TARGET __attribute__((noinline)) static void scaled_thresholds(const gefen_quant_search *s,
@@ -151,7 +152,7 @@ int main(int argc, char **argv) {
   __m512i *keys = aligned_alloc(64, 2 * (N / 32) * sizeof(__m512i)), *counts = keys + N / 32;
   __mmask32 *ties = malloc((N / 32) * sizeof(__mmask32));
   if (!keys || !ties) return 1;
-  key_prepare(scaled, mx, m, &kt, keys);
+  key_prepare(&q->search, scaled, mx, m, &kt, keys);
   _Alignas(64) float seed[16]; /* the permutes' index: the bits of small floats */
   for (int i = 0; i < 16; i++) seed[i] = 1.0f + (float)i;
 

@@ -520,19 +520,23 @@ INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
 /* The search over 16-bit keys (a file with byte look-ups defines KEY_SEARCH
  * as 1): 32 lanes per vector instead of 16, then one exact comparison.
  *
- * key(x) = (int16) RN(min(x * r, 32767)) with r = 32767 / mx is a
- * non-decreasing function of x (NaN: 32767), so for the scaled thresholds T
- * of a block and their keys K = key(T), K < key(m) implies m > T, and K >
- * key(m) implies m <= T. With the keys strictly increasing, the count c of
- * keys below key(m) is the exact count or one less, and the exact count is
- * c + (m above T[c + 1]), which only a lane whose key equals K[c + 1] can
- * need: one comparison with that threshold (key_ties; key_codes_t looks it
- * up for every lane). The keys of a block are strictly increasing when the
- * thresholds are at least 2^-12 apart (key_ok: their keys are then about 8
- * or more apart, the rounding errors of T and of the key about 0.004; of the
+ * key(x) = (int16) RN(min(x * r, S)) with r = S / mx (S = key_top, 32767 or
+ * a little less: gefen_quant_search) is a non-decreasing function of x
+ * (NaN: S), so for the scaled thresholds T of a block and their keys K =
+ * key(T), K < key(m) implies m > T, and K > key(m) implies m <= T. With the
+ * keys strictly increasing, the count c of keys below key(m) is the exact
+ * count or one less, and the exact count is c + (m above T[c + 1]), which
+ * only a lane whose key equals K[c + 1] can need: one comparison with that
+ * threshold (key_ties, as m / mx against the unscaled one; key_codes_t looks
+ * up T for every lane). The keys of a block are strictly increasing when the
+ * thresholds are at least 2^-12 apart (key_ok: their keys are then about 4
+ * or more apart, the rounding errors of T and of the key about 0.01; of the
  * thresholds, all in [-1, 1], at most one is close enough to 1 for T to take
- * the key 32767) and mx >= 2^-96 (T is then exact to far below a key unit).
- * m and NaN have keys within -32767..32767; NaN's, 32767, is at least every
+ * the key S) and mx >= 2^-96 (T is then exact to far below a key unit).
+ * Where every threshold t has t * S far enough from a half-integer
+ * (key_fixed), K is RN(t * S) for every such mx: the quantiser's own keys,
+ * and a block whose length is a multiple of 128 forms neither T nor K.
+ * m and NaN have keys within -S..S; NaN's, S, is at least every
  * threshold's key, so c is 255, or 254 and a tie with the top threshold,
  * whose comparison (true for NaN: "not at most") makes it 255: NaN's code.
  * (The scale was 16384 / mx until the ties were settled apart: the finer
@@ -540,14 +544,17 @@ INLINE void scale_order(const gefen_quant_search *s, float mx, float *o) {
 typedef struct {
   /* the keys of the scaled thresholds in search order (gefen_quant_search's
    * order: level L's run at GEFEN_LEVEL_AT(L)), then 32 zeros, so that every
-   * level's table can be read as 32 lanes */
-  int16_t key[GEFEN_CODEBOOK_SIZE + 32];
+   * level's table can be read as 32 lanes: the quantiser's fixed keys
+   * (key_fixed) or own[] */
+  const int16_t *key;
+  int16_t own[GEFEN_CODEBOOK_SIZE + 32];
   /* byte b of the scaled threshold at plane[b][j], j in search order: j is the
    * count's bits reversed for the threshold above that count */
   uint8_t plane[4][GEFEN_CODEBOOK_SIZE];
-  /* the scaled thresholds themselves, in search order */
-  const float *t;
-  float r;
+  /* the thresholds themselves (unscaled, in search order) and the block's
+   * magnitude, for the ties (key_ties) */
+  const float *order;
+  float mx, r, top;
 } key_tables;
 
 /* Blocks at least this long search with 16-bit keys (the tables cost about
@@ -555,23 +562,32 @@ typedef struct {
  * 512-element blocks and nothing clear at 256). */
 #define KEY_MIN_LEN 512
 
-INLINE __m512i key16(__m512 x, __m512 vr) {
-  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), _mm512_set1_ps(32767.0f)));
+INLINE __m512i key16(__m512 x, __m512 vr, __m512 vtop) {
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), vtop));
 }
 
-/* The key tables of a block with magnitude mx from its scaled thresholds t
- * (scale_order); their byte planes only with planes (key_codes_t reads them,
- * for the groups of a block after its last whole 128: a block whose length
- * is a multiple of 128 has none, and skips the 48 shuffles of the split). */
-INLINE void key_setup(const float *t, float mx, key_tables *kt, const int planes) {
-  kt->r = 32767.0f / mx;
-  const __m512 vr = _mm512_set1_ps(kt->r);
-  for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
-    _mm256_storeu_si256((__m256i *)(kt->key + 16 * g),
-                        _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr)));
-  _mm512_storeu_si512(kt->key + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
+/* The key tables of a block with magnitude mx: the quantiser's fixed keys,
+ * or the keys of its scaled thresholds t (scale_order); the byte planes of t
+ * only with planes (key_codes_t reads them, for the groups of a block after
+ * its last whole 128: a block whose length is a multiple of 128 has none,
+ * and skips the 48 shuffles of the split). t is read only when the keys are
+ * not fixed or with planes. */
+INLINE void key_setup(const gefen_quant_search *s, const float *t, float mx, key_tables *kt,
+                      const int planes) {
+  kt->top = s->key_top;
+  kt->r = s->key_top / mx;
+  kt->mx = mx;
+  kt->order = s->order;
+  kt->key = s->key;
+  if (!s->key_fixed) {
+    const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
+    for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
+      _mm256_storeu_si256((__m256i *)(kt->own + 16 * g),
+                          _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr, vtop)));
+    _mm512_storeu_si512(kt->own + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
+    kt->key = kt->own;
+  }
   if (planes) split_planes(t, kt->plane); /* the thresholds in their own order */
-  kt->t = t;
 }
 
 /* Groups of 64 per search step at most: 2 x KEY_GROUPS chains of 32 keys
@@ -593,7 +609,7 @@ _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
  * the lane's path that was not below it (in a binary search, the successor of
  * the final interval is its last left turn), so each level keeps it by a
  * blend, from -32768, which no key is (m's and the thresholds' keys are
- * within -32767..32767). */
+ * within -S..S, S <= 32767). */
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j,
                        __mmask32 *tie) {
   const int16_t *w = kt->key;
@@ -650,13 +666,13 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
  * packed order where packed (the codes are not). */
 INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint8_t *codes,
                          const int packed, uint64_t *tie) {
-  const __m512 vr = _mm512_set1_ps(kt->r);
+  const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   __mmask32 t[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
   for (int v = 0; v < 2 * G; v++)
-    q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr),
-                              key16(_mm512_loadu_ps(m + 32 * v + 16), vr));
+    q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr, vtop),
+                              key16(_mm512_loadu_ps(m + 32 * v + 16), vr, vtop));
   key_search(kt, 2 * G, q, j, t);
   for (int h = 0; h < G; h++) {
     const __m512i c_t = reverse_bits(_mm512_packus_epi16(j[2 * h], j[2 * h + 1]));
@@ -668,15 +684,19 @@ INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint
   }
 }
 
-/* The tied lanes of n groups (key_counts64) settled: m[i] above the scaled
- * threshold above the count (thresholds t in search order: at the count's
- * bits reversed) adds one to the code. Bit 32 s + w of a group's tie word is
- * its element at vector 2 s + (w >> 2 & 1), lane 4 (w >> 3) + (w & 3), of m
- * (the packs' order); the code's element is that one, or in the packed order
- * vector v, lane i is element 32 (v / 2) + 2 i + v % 2. "Above" is "not at
- * most", so that a NaN tied with the top threshold takes code 255. */
-INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float *m,
+/* The tied lanes of n groups (key_counts64) settled: u = m[i] / mx above the
+ * threshold above the count (the reference rule itself; thresholds in search
+ * order: at the count's bits reversed) adds one to the code. Bit 32 s + w of
+ * a group's tie word is its element at vector 2 s + (w >> 2 & 1), lane 4 (w
+ * >> 3) + (w & 3), of m (the packs' order); the code's element is that one,
+ * or in the packed order vector v, lane i is element 32 (v / 2) + 2 i + v %
+ * 2. "Above" is "not at most", so that a NaN tied with the top threshold
+ * takes code 255. (A division per tied lane, about 0.6% of them, instead of
+ * the block's scaled thresholds: with fixed keys a block whose length is a
+ * multiple of 128 forms neither those nor their keys.) */
+INLINE void key_ties(const key_tables *kt, const uint64_t *tie, int64_t n, const float *m,
                      uint8_t *codes, const int packed) {
+  const float *t = kt->order, mx = kt->mx;
   for (int64_t g = 0; g < n; g++)
     for (uint64_t k = tie[g]; k; k &= k - 1) {
       const int b = __builtin_ctzll(k);
@@ -684,7 +704,7 @@ INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float
       const int64_t mi = 64 * g + 16 * v + lane;
       const int64_t ci = packed ? 64 * g + 32 * (v >> 1) + 2 * lane + (v & 1) : mi;
       const uint8_t c = codes[ci];
-      codes[ci] = (uint8_t)(c + !(m[mi] <= t[gefen_bit_reverse8(c)]));
+      codes[ci] = (uint8_t)(c + !(m[mi] / mx <= t[gefen_bit_reverse8(c)]));
     }
 }
 
@@ -692,11 +712,11 @@ INLINE void key_ties(const float *t, const uint64_t *tie, int64_t n, const float
  * transposed order of decode64. */
 INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
                         __m512i *codes_t) {
-  const __m512 vr = _mm512_set1_ps(kt->r);
+  const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
   for (int v = 0; v < 2 * g; v++)
-    q[v] = _mm512_packs_epi32(key16(m[2 * v], vr), key16(m[2 * v + 1], vr));
+    q[v] = _mm512_packs_epi32(key16(m[2 * v], vr, vtop), key16(m[2 * v + 1], vr, vtop));
   __mmask32 tie[2 * KEY_GROUPS];
   key_search(kt, 2 * g, q, j, tie); /* (tie unused: every lane is compared below) */
   for (int h = 0; h < g; h++) {
@@ -882,7 +902,7 @@ INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *k
   for (; i + 64 * KEY_GROUPS <= end; i += 64 * KEY_GROUPS)
     key_counts64(kt, KEY_GROUPS, m + i, codes + i, packed, tie + (i - j) / 64);
   for (; i < end; i += 128) key_counts64(kt, 2, m + i, codes + i, packed, tie + (i - j) / 64);
-  key_ties(kt->t, tie, (end - j) / 64, m + j, codes + j, packed);
+  key_ties(kt, tie, (end - j) / 64, m + j, codes + j, packed);
   if (kind == GEFEN_SINK_CODES) return;
   for (i = j; i < end; i += 64) {
     if (kind != GEFEN_SINK_M)
@@ -977,13 +997,21 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
      * FTZ flushes when they are formed and DAZ reads as 0 in the compares, where
      * the portable code divides first (test_kernels.c, under_daz) */
     mode = BY_SCALED_LEVELS;
-    scale_order(s, mx, scaled);
-    order = scaled;
 #if KEY_SEARCH
     if (len >= KEY_MIN_LEN && s->key_search && mx >= 0x1p-96f) {
+      /* the scaled thresholds only for keys of their own or for the groups
+       * after the last whole 128 (key_codes_t) */
       mode = BY_KEYS;
-      key_setup(scaled, mx, &keys, len % 128 != 0);
+      const int partial = len % 128 != 0;
+      if (partial || !s->key_fixed) scale_order(s, mx, scaled);
+      key_setup(s, scaled, mx, &keys, partial);
+    } else
+#endif
+    {
+      scale_order(s, mx, scaled);
+      order = scaled;
     }
+#if KEY_SEARCH
     if (len >= VALUE_MIN_LEN && kind != GEFEN_SINK_CODES) {
       sink_values(s, sk, kind, vmx, values);
       vt = (planes_ptr)values;

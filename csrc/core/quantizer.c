@@ -96,6 +96,32 @@ static double bound_above(float t, uint16_t *tie_up, int bit) {
   return 0.5 * ((double)t + (double)up);
 }
 
+/* The 16-bit keys of the thresholds, the same for every block, where a scale
+ * allows them (gefen_quant_search, key_fixed): the largest key_top from
+ * 32767 down to 16384 for which every x = t * key_top (exact in float64: 24
+ * by 15 bits) is more than |x| 2^-20 + 2^-30 (twice the error bound) from a
+ * half-integer and their nearest integers strictly increase. */
+static void fixed_keys(gefen_quant_search *s) {
+  s->key_top = 32767.0f;
+  s->key_fixed = 0;
+  memset(s->key, 0, sizeof s->key);
+  for (int top = 32767; s->key_ok && top >= 16384; top--) {
+    double prev = -65536.0;
+    int ok = 1;
+    for (int c = 1; ok && c < GEFEN_CODEBOOK_SIZE; c++) {
+      const double x = (double)s->threshold[c] * top, n = floor(x + 0.5);
+      ok = fabs(x - n) <= 0.5 - (fabs(x) * 0x1p-20 + 0x1p-30) && n > prev;
+      prev = n;
+    }
+    if (!ok) continue;
+    s->key_top = (float)top;
+    s->key_fixed = 1;
+    for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++)
+      s->key[j] = (int16_t)floor((double)s->order[j] * top + 0.5);
+    return;
+  }
+}
+
 /* The thresholds of gefen_quant_search by bisection over the floats of
  * [-1, 1] (the code is non-decreasing in u and the code of -1 is 0), then
  * the binary search's order and the codebook's byte planes. */
@@ -155,6 +181,7 @@ static void build_search(gefen_quant_search *s, const float *c) {
   }
   s->single_min_mx = (float)(0x1p-126 / h_min);
   s->key_search = s->key_ok && gefen_cpu_prefers_key_search();
+  fixed_keys(s);
 }
 
 /* The coarse rows of ALGORITHM.md §10's table for a width of div lookup

@@ -72,6 +72,22 @@ typedef struct {
    * floats (gefen_cpu_prefers_key_search): what the kernels read. Both give
    * the same codes; a test may set it to either value when key_ok is set. */
   int key_search;
+  /* The keys of the thresholds the same for every block (key_fixed): with
+   * keys RN(min(x * r, key_top)), r = key_top / mx (block_avx512_kernels.h,
+   * KEY_SEARCH), a scaled threshold T of t has T * r = x (1 + e) + a with x =
+   * t * key_top, |e| <= 7 x 2^-24 (T's rounding and its midpoint's offset,
+   * 5 x 2^-24; r's; the product's) and |a| <= 2^-36 (subnormal T, mx >=
+   * 2^-96), for every mx from 2^-96 to FLT_MAX. So where x is farther than
+   * |x| 2^-20 + 2^-30 from the nearest half-integer, every block's key of T
+   * is RN(x). build_search takes the largest key_top in 16384..32767 for
+   * which every threshold is that far and the keys strictly increase (2-7%
+   * of the scales qualify for learned codebooks, the first within 200 of
+   * 32767 for those measured); a block then needs neither its scaled
+   * thresholds nor their keys (the ties compare m / mx with t itself). None
+   * found (key_fixed 0): key_top is 32767 and each block forms its keys. */
+  int16_t key[GEFEN_CODEBOOK_SIZE + 32]; /* search order, then 32 zeros */
+  float key_top;
+  int key_fixed;
   /* codebook[code] by code, and by the search's reversed bits j (the value of
    * code j with its 8 bits reversed): sixteen 16-float registers each, for
    * decoding without VBMI */

@@ -586,9 +586,16 @@ static void requantize_apply_on(const gefen_block_ops *simd, const char *name,
                                     GEFEN_SINK_ADAM_FACTORED, GEFEN_SINK_MUON};
   const float *bound_src = q->search.order;
   /* 1..130, then 261, 523, 709 (the key search's passes of four groups, then
-   * two, one and a partial one: 2 x 256 + 128 + 64 + 5), 1047, 2095 */
+   * two, one and a partial one: 2 x 256 + 128 + 64 + 5), 1024 (whole groups
+   * of 128 only: with fixed keys no scaled thresholds), 1047, 2048, 2095 */
   for (int64_t len = 1; len <= MAXL;
-       len = len < 130 ? len + 1 : len == 523 ? 709 : len == 709 ? 1047 : len * 2 + 1) {
+       len = len < 130    ? len + 1
+             : len == 523  ? 709
+             : len == 709  ? 1024
+             : len == 1024 ? 1047
+             : len == 1047 ? 2048
+             : len == 2048 ? 2095
+                           : len * 2 + 1) {
     for (int variant = 0; variant < 8; variant++) {
       /* 0: plain, 1: special values, 2: all zero, 3: all NaN, 4: the decision
        * boundaries t * mx and b * mx (b the midpoint above t) and their
@@ -737,6 +744,9 @@ static void test_requantize_apply(void) {
     if (q)
       CHECK(q->search.key_search == (q->search.key_ok && gefen_cpu_prefers_key_search()),
             "codebook %d: key_search %d", k, q->search.key_search);
+    /* the learned codebooks' keys are the same for every block */
+    if (q && (k == 0 || k == 5))
+      CHECK(q->search.key_fixed, "codebook %d: no fixed keys", k);
     if (q && k == 4) {
       int ties = 0;
       for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
@@ -746,12 +756,17 @@ static void test_requantize_apply(void) {
     if (!q) continue;
     /* where the codebook allows the key search, both searches, whichever
      * this CPU prefers */
-    for (int keys = q->search.key_ok; keys >= 0; keys--) {
-      q->search.key_search = keys;
-      for (int s = 0; s < n; s++)
-        if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
-          requantize_apply_on(simd[s], names[s], q);
-    }
+    /* and with fixed keys, each block's own keys too (at the same scale) */
+    const int key_fixed = q->search.key_fixed;
+    for (int keys = q->search.key_ok; keys >= 0; keys--)
+      for (int fixed = keys ? key_fixed : 0; fixed >= 0; fixed--) {
+        q->search.key_search = keys;
+        q->search.key_fixed = fixed;
+        for (int s = 0; s < n; s++)
+          if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
+            requantize_apply_on(simd[s], names[s], q);
+      }
+    q->search.key_fixed = key_fixed;
     /* the AVX2 search without the coarse rows too, where it has them */
     const int coarse_div = q->coarse_div;
     q->coarse_div = 0;
@@ -803,6 +818,62 @@ static void test_scaled_rule(void) {
     gefen_quantizer_destroy(q);
   }
   printf("  scaled thresholds: %lld comparisons\n", (long long)checked);
+}
+
+/* The fixed keys (quantizer_internal.h, key_fixed) are every block's own:
+ * for learned codebooks of several widths, entries one bin apart and a top
+ * threshold near 1, the key of each scaled threshold, RN(min(G * r,
+ * key_top)) with r = key_top / mx, equals the fixed key for magnitudes over
+ * the key search's whole range (2^-96 to FLT_MAX: powers of two, every
+ * significand, the ends). */
+static void test_fixed_keys(void) {
+  int64_t checked = 0;
+  int fixed = 0;
+  for (int k = 0; k < 24; k++) {
+    float c[256];
+    if (k == 0) one_bin_codebook(c);
+    else if (k == 1) {
+      for (int i = 0; i < 254; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
+      c[254] = 0.99998f;
+      c[255] = 1.0f;
+    } else learned_codebook(c, 200 + 150 * k);
+    gefen_quantizer *q = NULL;
+    gefen_error err;
+    CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+    if (!q) continue;
+    const gefen_quant_search *s = &q->search;
+    if (k >= 2) CHECK(s->key_fixed, "learned codebook %d: no fixed keys", k);
+    if (!s->key_fixed) {
+      gefen_quantizer_destroy(q);
+      continue;
+    }
+    fixed++;
+    CHECK(s->key_top >= 16384.0f && s->key_top <= 32767.0f, "key_top %g", (double)s->key_top);
+    for (int i = 2; i < GEFEN_CODEBOOK_SIZE; i++) /* strictly increasing by count */
+      CHECK(s->key[gefen_bit_reverse8(i - 1)] > s->key[gefen_bit_reverse8(i - 2)],
+            "codebook %d: keys of counts %d and %d", k, i - 2, i - 1);
+    for (int trial = 0; trial < 600; trial++) {
+      float mx;
+      switch (trial % 6) {
+        case 0: mx = ldexpf(1.0f, (int)(rng() % 224) - 96); break;
+        case 1: mx = test_uniform(1.0f, 2.0f) * ldexpf(1.0f, (int)(rng() % 223) - 96); break;
+        case 2: mx = 0x1p-96f * test_uniform(1.0f, 2.0f); break;
+        case 3: mx = FLT_MAX * test_uniform(0.5f, 1.0f); break;
+        case 4: mx = test_uniform(1e-6f, 10.0f); break;
+        default: mx = nextafterf(ldexpf(1.0f, (int)(rng() % 223) - 95), 0.0f); break;
+      }
+      const float r = s->key_top / mx;
+      for (int e = 0; e < GEFEN_CODEBOOK_SIZE; e++) {
+        const float g = scaled_threshold(q, e, mx);
+        const long key = lrintf(fminf(g * r, s->key_top));
+        checked++;
+        CHECK(key == s->key[e], "codebook %d mx %a entry %d: key %ld, fixed %d", k, mx, e, key,
+              s->key[e]);
+      }
+    }
+    gefen_quantizer_destroy(q);
+  }
+  printf("  fixed keys: %d codebooks, %lld keys compared\n", fixed, (long long)checked);
 }
 
 /* GEFEN_SLOW=1: the threshold count and the coarse rows against the reference
@@ -1033,6 +1104,7 @@ int main(void) {
   test_row_stats_long();
   printf("test_kernels: fused requantisation and sinks vs portable\n");
   test_scaled_rule();
+  test_fixed_keys();
   test_requantize_apply();
   test_count_exhaustive();
   test_bf16_subnormals_under_daz();
