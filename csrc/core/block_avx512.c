@@ -79,7 +79,10 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
  * threads on the Zen 4 VM (10-14% in cache; the two forms side by side in one
  * process), where the conversions and the float64 additions share pipes;
  * float32 rows were 2-4% slower that way and keep one vector
- * (docs/performance.md, "The factored form's extra cost, taken apart"). */
+ * (docs/performance.md, "The factored form's extra cost, taken apart").
+ * float16 rows take the halves without the square (rows16: by multiply-adds,
+ * gefen_fma_squares16); this is bfloat16's, whose squares can overflow or
+ * underflow in float32. */
 INLINE __m512d square8_pd(const void *grad, gefen_dtype dt, int64_t at, __mmask8 k) {
   const __m128i h = _mm_maskz_loadu_epi16(k, (const uint16_t *)grad + at);
   const __m256 g =
@@ -117,6 +120,22 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
     if (pf) /* float32: a line per row and 16 columns */
       _mm_prefetch((const char *)grad + (size_t)(at * 4 + ROW_PREFETCH_BYTES), _MM_HINT_T1);
     __m512d x_lo, x_hi;
+    if (halves && dt == GEFEN_F16) {
+      /* float16: each half widened to float64 and its squares added by
+       * multiply-adds (exact squares: gefen_fma_squares16); the pass took
+       * 19-23% less time at 16.8M with one and two threads on the Zen 4 VM
+       * (docs/performance.md, "Fixed keys, and float16 squares by
+       * multiply-adds") */
+      const __m512d a = _mm512_cvtps_pd(
+          _mm256_maskz_cvtph_ps((__mmask8)0xff, _mm_maskz_loadu_epi16(k_lo, (const uint16_t *)grad + at)));
+      const __m512d b = _mm512_cvtps_pd(
+          _mm256_maskz_cvtph_ps((__mmask8)0xff, _mm_maskz_loadu_epi16(k_hi, (const uint16_t *)grad + at + 8)));
+      lo[r] = _mm512_fmadd_pd(a, a, lo[r]); /* masked lanes add 0 */
+      hi[r] = _mm512_fmadd_pd(b, b, hi[r]);
+      c_lo = _mm512_fmadd_pd(a, a, c_lo);
+      c_hi = _mm512_fmadd_pd(b, b, c_hi);
+      continue;
+    }
     if (halves) { /* 16-bit rows (square8_pd) */
       x_lo = square8_pd(grad, dt, at, k_lo);
       x_hi = square8_pd(grad, dt, at + 8, k_hi);

@@ -304,7 +304,10 @@ INLINE void momentum64(const gefen_quant_search *s, planes_ptr plane, const int 
     const __m512 x = momentum_of(cv, vomb, g, muon);
     _mm512_mask_storeu_ps(m + i, k, x);
     acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
-    if (want_sq) gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
+    if (want_sq && dt == GEFEN_F16)
+      gefen_fma_squares16(&acc->lo, &acc->hi, g); /* masked lanes add 0 */
+    else if (want_sq)
+      gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
   }
 }
 
