@@ -6,7 +6,8 @@
  * floats (a subnormal one made vdivps about three quarters slower on Zen 4). The
  * numbers behind docs/performance.md, "The key search's chains" and (the float64
  * additions and conversions of the factored statistics) "The factored form's extra
- * cost, taken apart". Written in assembly
+ * cost, taken apart" and "Fixed keys, and float16 squares by multiply-adds" (their
+ * 256-bit forms). Written in assembly
  * so that the counts do not depend on the compiler.
  *
  *   gcc -O2 benchmarks/zmm_costs.c -o zmm_costs && ./zmm_costs [iterations]
@@ -79,66 +80,77 @@
 /* the same conversions in 256 bits, and the insertion that would put two halves back */
 #define I_CVTPH2PS_Y(a, d, k) "vcvtph2ps %%xmm" STR(a) ", %%ymm" STR(d) "\n\t"
 #define I_CVTPS2PH_Y(a, d, k) "vcvtps2ph $4, %%ymm" STR(a) ", %%xmm" STR(d) "\n\t"
+#define I_CVTPS2PD_Y(a, d, k) "vcvtps2pd %%xmm" STR(a) ", %%ymm" STR(d) "\n\t"
+#define I_ADDPD_Y(a, d, k) "vaddpd %%ymm1, %%ymm" STR(a) ", %%ymm" STR(d) "\n\t"
 #define I_INS(a, d, k) "vinsertf64x4 $1, %%ymm" STR(a) ", %%zmm1, %%zmm" STR(d) "\n\t"
 /* a level of the key search, its three instructions on the eight chains' registers */
 #define I_LEVEL(a, d, k) I_PERMW(a, d, k) "vpcmpgtw %%zmm1, %%zmm" STR(d) ", %%k" STR(k) "\n\t" \
   "vpaddw %%zmm1, %%zmm" STR(a) ", %%zmm" STR(a) "%{%%k" STR(k) "%}\n\t"
 
-RUN(t_permps, EIGHT(I_PERMPS))
-RUN(t_permw, EIGHT(I_PERMW))
-RUN(t_permb, EIGHT(I_PERMB))
-RUN(t_permt2w, EIGHT(I_PERMT2W))
-RUN(t_permt2b, EIGHT(I_PERMT2B))
-RUN(t_cmpw, EIGHT(I_CMPW))
-RUN(t_maddw, EIGHT(I_MADDW))
-RUN(t_mulps, EIGHT(I_MULPS))
-RUN(t_addps, EIGHT(I_ADDPS))
-RUN(t_divps, EIGHT(I_DIVPS))
-RUN(t_sqrtps, EIGHT(I_SQRTPS))
-RUN(t_cvtps2ph, EIGHT(I_CVTPS2PH))
-RUN(t_cvtph2ps, EIGHT(I_CVTPH2PS))
-RUN(t_cvtps2pd, EIGHT(I_CVTPS2PD))
-RUN(t_permw_mulps, EIGHT2(I_PERMW, I_MULPS))
-RUN(t_permw_addps, EIGHT2(I_PERMW, I_ADDPS))
-RUN(t_mulps_addps, EIGHT2(I_MULPS, I_ADDPS))
-RUN(t_permw_cvtps2pd, EIGHT2(I_PERMW, I_CVTPS2PD))
-RUN(t_addps_cvtps2pd, EIGHT2(I_ADDPS, I_CVTPS2PD))
-RUN(t_pslld, EIGHT(I_PSLLD))
-RUN(t_pandd, EIGHT(I_PANDD))
-RUN(t_ternlog, EIGHT(I_TERNLOG))
-RUN(t_andps, EIGHT(I_ANDPS))
-RUN(t_mulps_andps, EIGHT2(I_MULPS, I_ANDPS))
-RUN(t_addps_andps, EIGHT2(I_ADDPS, I_ANDPS))
-RUN(t_permw_andps, EIGHT2(I_PERMW, I_ANDPS))
-RUN(t_addps_pandd, EIGHT2(I_ADDPS, I_PANDD))
-RUN(t_mulps_pandd, EIGHT2(I_MULPS, I_PANDD))
-RUN(t_blendw, EIGHT(I_BLENDW))
-RUN(t_permw_blendw, EIGHT2(I_PERMW, I_BLENDW))
-RUN(t_mulps_blendw, EIGHT2(I_MULPS, I_BLENDW))
-RUN(t_addps_blendw, EIGHT2(I_ADDPS, I_BLENDW))
-RUN(t_permw_cvtph2ps, EIGHT2(I_PERMW, I_CVTPH2PS))
-RUN(t_permw_cvtps2ph, EIGHT2(I_PERMW, I_CVTPS2PH))
-RUN(t_permw_pslld, EIGHT2(I_PERMW, I_PSLLD))
-RUN(t_permw_pandd, EIGHT2(I_PERMW, I_PANDD))
-RUN(t_mulps_pslld, EIGHT2(I_MULPS, I_PSLLD))
-RUN(t_addps_pslld, EIGHT2(I_ADDPS, I_PSLLD))
-RUN(t_addpd, EIGHT(I_ADDPD))
-RUN(t_fmapd, EIGHT(I_FMAPD))
-RUN(t_extr, EIGHT(I_EXTR))
-RUN(t_addpd_fmapd, EIGHT2(I_ADDPD, I_FMAPD))
-RUN(t_addpd_cvtps2pd, EIGHT2(I_ADDPD, I_CVTPS2PD))
-RUN(t_fmapd_cvtps2pd, EIGHT2(I_FMAPD, I_CVTPS2PD))
-RUN(t_mulps_cvtps2pd, EIGHT2(I_MULPS, I_CVTPS2PD))
-RUN(t_addpd_cvtph2ps, EIGHT2(I_ADDPD, I_CVTPH2PS))
-RUN(t_fmapd_cvtph2ps, EIGHT2(I_FMAPD, I_CVTPH2PS))
-RUN(t_addpd_extr, EIGHT2(I_ADDPD, I_EXTR))
-RUN(t_cvtps2pd_extr, EIGHT2(I_CVTPS2PD, I_EXTR))
-RUN(t_cvtps2pd_cvtph2ps, EIGHT2(I_CVTPS2PD, I_CVTPH2PS))
-RUN(t_cvtph2ps_y, EIGHT(I_CVTPH2PS_Y))
-RUN(t_cvtps2ph_y, EIGHT(I_CVTPS2PH_Y))
-RUN(t_ins, EIGHT(I_INS))
-RUN(t_addpd_cvtph2ps_y, EIGHT2(I_ADDPD, I_CVTPH2PS_Y))
-RUN(t_ins_cvtps2pd, EIGHT2(I_INS, I_CVTPS2PD))
+/* Each throughput measured: its function, body, name in the table and instructions
+ * per iteration (8 alone, 16 for pairs). */
+#define THROUGHPUTS(X) \
+  X(t_permps, EIGHT(I_PERMPS), "vpermps", 8) \
+  X(t_permw, EIGHT(I_PERMW), "vpermw", 8) \
+  X(t_permb, EIGHT(I_PERMB), "vpermb", 8) \
+  X(t_permt2w, EIGHT(I_PERMT2W), "vpermt2w (+ a copy)", 8) \
+  X(t_permt2b, EIGHT(I_PERMT2B), "vpermt2b (+ a copy)", 8) \
+  X(t_cmpw, EIGHT(I_CMPW), "vpcmpgtw into a mask", 8) \
+  X(t_maddw, EIGHT(I_MADDW), "vpaddw masked", 8) \
+  X(t_mulps, EIGHT(I_MULPS), "vmulps", 8) \
+  X(t_addps, EIGHT(I_ADDPS), "vaddps", 8) \
+  X(t_divps, EIGHT(I_DIVPS), "vdivps", 8) \
+  X(t_sqrtps, EIGHT(I_SQRTPS), "vsqrtps", 8) \
+  X(t_cvtps2ph, EIGHT(I_CVTPS2PH), "vcvtps2ph", 8) \
+  X(t_cvtph2ps, EIGHT(I_CVTPH2PS), "vcvtph2ps", 8) \
+  X(t_cvtps2pd, EIGHT(I_CVTPS2PD), "vcvtps2pd", 8) \
+  X(t_permw_mulps, EIGHT2(I_PERMW, I_MULPS), "pairs: vpermw + vmulps", 16) \
+  X(t_permw_addps, EIGHT2(I_PERMW, I_ADDPS), "pairs: vpermw + vaddps", 16) \
+  X(t_mulps_addps, EIGHT2(I_MULPS, I_ADDPS), "pairs: vmulps + vaddps", 16) \
+  X(t_permw_cvtps2pd, EIGHT2(I_PERMW, I_CVTPS2PD), "pairs: vpermw + vcvtps2pd", 16) \
+  X(t_addps_cvtps2pd, EIGHT2(I_ADDPS, I_CVTPS2PD), "pairs: vaddps + vcvtps2pd", 16) \
+  X(t_pslld, EIGHT(I_PSLLD), "vpslld", 8) \
+  X(t_pandd, EIGHT(I_PANDD), "vpandd", 8) \
+  X(t_ternlog, EIGHT(I_TERNLOG), "vpternlogd (+ a copy)", 8) \
+  X(t_andps, EIGHT(I_ANDPS), "vandps", 8) \
+  X(t_mulps_andps, EIGHT2(I_MULPS, I_ANDPS), "pairs: vmulps + vandps", 16) \
+  X(t_addps_andps, EIGHT2(I_ADDPS, I_ANDPS), "pairs: vaddps + vandps", 16) \
+  X(t_permw_andps, EIGHT2(I_PERMW, I_ANDPS), "pairs: vpermw + vandps", 16) \
+  X(t_mulps_pandd, EIGHT2(I_MULPS, I_PANDD), "pairs: vmulps + vpandd", 16) \
+  X(t_addps_pandd, EIGHT2(I_ADDPS, I_PANDD), "pairs: vaddps + vpandd", 16) \
+  X(t_blendw, EIGHT(I_BLENDW), "vpblendmw", 8) \
+  X(t_permw_blendw, EIGHT2(I_PERMW, I_BLENDW), "pairs: vpermw + vpblendmw", 16) \
+  X(t_mulps_blendw, EIGHT2(I_MULPS, I_BLENDW), "pairs: vmulps + vpblendmw", 16) \
+  X(t_addps_blendw, EIGHT2(I_ADDPS, I_BLENDW), "pairs: vaddps + vpblendmw", 16) \
+  X(t_permw_cvtph2ps, EIGHT2(I_PERMW, I_CVTPH2PS), "pairs: vpermw + vcvtph2ps", 16) \
+  X(t_permw_cvtps2ph, EIGHT2(I_PERMW, I_CVTPS2PH), "pairs: vpermw + vcvtps2ph", 16) \
+  X(t_permw_pslld, EIGHT2(I_PERMW, I_PSLLD), "pairs: vpermw + vpslld", 16) \
+  X(t_permw_pandd, EIGHT2(I_PERMW, I_PANDD), "pairs: vpermw + vpandd", 16) \
+  X(t_mulps_pslld, EIGHT2(I_MULPS, I_PSLLD), "pairs: vmulps + vpslld", 16) \
+  X(t_addps_pslld, EIGHT2(I_ADDPS, I_PSLLD), "pairs: vaddps + vpslld", 16) \
+  X(t_addpd, EIGHT(I_ADDPD), "vaddpd", 8) \
+  X(t_fmapd, EIGHT(I_FMAPD), "vfmadd231pd (8 chains)", 8) \
+  X(t_extr, EIGHT(I_EXTR), "vextractf64x4", 8) \
+  X(t_addpd_fmapd, EIGHT2(I_ADDPD, I_FMAPD), "pairs: vaddpd + vfmadd231pd", 16) \
+  X(t_addpd_cvtps2pd, EIGHT2(I_ADDPD, I_CVTPS2PD), "pairs: vaddpd + vcvtps2pd", 16) \
+  X(t_fmapd_cvtps2pd, EIGHT2(I_FMAPD, I_CVTPS2PD), "pairs: vfmadd231pd + vcvtps2pd", 16) \
+  X(t_mulps_cvtps2pd, EIGHT2(I_MULPS, I_CVTPS2PD), "pairs: vmulps + vcvtps2pd", 16) \
+  X(t_addpd_cvtph2ps, EIGHT2(I_ADDPD, I_CVTPH2PS), "pairs: vaddpd + vcvtph2ps", 16) \
+  X(t_fmapd_cvtph2ps, EIGHT2(I_FMAPD, I_CVTPH2PS), "pairs: vfmadd231pd + vcvtph2ps", 16) \
+  X(t_addpd_extr, EIGHT2(I_ADDPD, I_EXTR), "pairs: vaddpd + vextractf64x4", 16) \
+  X(t_cvtps2pd_extr, EIGHT2(I_CVTPS2PD, I_EXTR), "pairs: vcvtps2pd + vextractf64x4", 16) \
+  X(t_cvtps2pd_cvtph2ps, EIGHT2(I_CVTPS2PD, I_CVTPH2PS), "pairs: vcvtps2pd + vcvtph2ps", 16) \
+  X(t_cvtph2ps_y, EIGHT(I_CVTPH2PS_Y), "vcvtph2ps ymm (8 values)", 8) \
+  X(t_cvtps2ph_y, EIGHT(I_CVTPS2PH_Y), "vcvtps2ph ymm (8 values)", 8) \
+  X(t_ins, EIGHT(I_INS), "vinsertf64x4", 8) \
+  X(t_addpd_cvtph2ps_y, EIGHT2(I_ADDPD, I_CVTPH2PS_Y), "pairs: vaddpd + vcvtph2ps ymm", 16) \
+  X(t_ins_cvtps2pd, EIGHT2(I_INS, I_CVTPS2PD), "pairs: vinsertf64x4 + vcvtps2pd", 16) \
+  X(t_cvtps2pd_y, EIGHT(I_CVTPS2PD_Y), "vcvtps2pd ymm (4 values)", 8) \
+  X(t_addpd_y, EIGHT(I_ADDPD_Y), "vaddpd ymm", 8) \
+  X(t_addpd_y_cvtps2pd_y, EIGHT2(I_ADDPD_Y, I_CVTPS2PD_Y), "pairs: vaddpd + vcvtps2pd, ymm", 16)
+#define DEFINE_RUN(NAME, BODY, LABEL, PER) RUN(NAME, BODY)
+THROUGHPUTS(DEFINE_RUN)
+#undef DEFINE_RUN
 /* chains: the output is the next input */
 RUN(l_permw, "vpermw %%zmm1, %%zmm2, %%zmm2\n\t")
 RUN(l_level, "vpermw %%zmm1, %%zmm2, %%zmm10\n\tvpcmpgtw %%zmm10, %%zmm3, %%k1\n\t"
@@ -167,49 +179,9 @@ int main(int argc, char **argv) {
   const double cycle = best(t_permps, n, 8, 5);
   printf("one cycle (vpermps zmm, 8 independent): %.4f ns (%.2f GHz)\n", cycle * 1e9, 1e-9 / cycle);
   const struct { const char *name; timed f; int per; } tp[] = {
-      {"vpermps", t_permps, 8},     {"vpermw", t_permw, 8},       {"vpermb", t_permb, 8},
-      {"vpermt2w (+ a copy)", t_permt2w, 8}, {"vpermt2b (+ a copy)", t_permt2b, 8},
-      {"vpcmpgtw into a mask", t_cmpw, 8},   {"vpaddw masked", t_maddw, 8},
-      {"vmulps", t_mulps, 8},       {"vaddps", t_addps, 8},       {"vdivps", t_divps, 8},
-      {"vsqrtps", t_sqrtps, 8},     {"vcvtps2ph", t_cvtps2ph, 8}, {"vcvtph2ps", t_cvtph2ps, 8},
-      {"vcvtps2pd", t_cvtps2pd, 8},
-      {"pairs: vpermw + vmulps", t_permw_mulps, 16}, {"pairs: vpermw + vaddps", t_permw_addps, 16},
-      {"pairs: vmulps + vaddps", t_mulps_addps, 16},
-      {"pairs: vpermw + vcvtps2pd", t_permw_cvtps2pd, 16},
-      {"pairs: vaddps + vcvtps2pd", t_addps_cvtps2pd, 16},
-      {"vpslld", t_pslld, 8}, {"vpandd", t_pandd, 8}, {"vpternlogd (+ a copy)", t_ternlog, 8},
-      {"vandps", t_andps, 8},
-      {"pairs: vmulps + vandps", t_mulps_andps, 16},
-      {"pairs: vaddps + vandps", t_addps_andps, 16},
-      {"pairs: vpermw + vandps", t_permw_andps, 16},
-      {"pairs: vmulps + vpandd", t_mulps_pandd, 16},
-      {"pairs: vaddps + vpandd", t_addps_pandd, 16},
-      {"vpblendmw", t_blendw, 8},
-      {"pairs: vpermw + vpblendmw", t_permw_blendw, 16},
-      {"pairs: vmulps + vpblendmw", t_mulps_blendw, 16},
-      {"pairs: vaddps + vpblendmw", t_addps_blendw, 16},
-      {"pairs: vpermw + vcvtph2ps", t_permw_cvtph2ps, 16},
-      {"pairs: vpermw + vcvtps2ph", t_permw_cvtps2ph, 16},
-      {"pairs: vpermw + vpslld", t_permw_pslld, 16},
-      {"pairs: vpermw + vpandd", t_permw_pandd, 16},
-      {"pairs: vmulps + vpslld", t_mulps_pslld, 16},
-      {"pairs: vaddps + vpslld", t_addps_pslld, 16},
-      {"vaddpd", t_addpd, 8}, {"vfmadd231pd (8 chains)", t_fmapd, 8},
-      {"vextractf64x4", t_extr, 8},
-      {"pairs: vaddpd + vfmadd231pd", t_addpd_fmapd, 16},
-      {"pairs: vaddpd + vcvtps2pd", t_addpd_cvtps2pd, 16},
-      {"pairs: vfmadd231pd + vcvtps2pd", t_fmapd_cvtps2pd, 16},
-      {"pairs: vmulps + vcvtps2pd", t_mulps_cvtps2pd, 16},
-      {"pairs: vaddpd + vcvtph2ps", t_addpd_cvtph2ps, 16},
-      {"pairs: vfmadd231pd + vcvtph2ps", t_fmapd_cvtph2ps, 16},
-      {"pairs: vaddpd + vextractf64x4", t_addpd_extr, 16},
-      {"pairs: vcvtps2pd + vextractf64x4", t_cvtps2pd_extr, 16},
-      {"pairs: vcvtps2pd + vcvtph2ps", t_cvtps2pd_cvtph2ps, 16},
-      {"vcvtph2ps ymm (8 values)", t_cvtph2ps_y, 8},
-      {"vcvtps2ph ymm (8 values)", t_cvtps2ph_y, 8},
-      {"vinsertf64x4", t_ins, 8},
-      {"pairs: vaddpd + vcvtph2ps ymm", t_addpd_cvtph2ps_y, 16},
-      {"pairs: vinsertf64x4 + vcvtps2pd", t_ins_cvtps2pd, 16},
+#define ENTRY(NAME, BODY, LABEL, PER) {LABEL, NAME, PER},
+      THROUGHPUTS(ENTRY)
+#undef ENTRY
   };
   printf("throughput, cycles per instruction (8 independent, zmm):\n");
   for (size_t i = 0; i < sizeof tp / sizeof tp[0]; i++)
