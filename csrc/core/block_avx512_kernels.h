@@ -562,7 +562,11 @@ typedef struct {
 
 /* Blocks at least this long search with 16-bit keys (the tables cost about
  * 200 operations a block; in cache on Zen 4 the fused pass gained 9-21% at
- * 512-element blocks and nothing clear at 256). */
+ * 512-element blocks and nothing clear at 256). A block whose length is a
+ * multiple of 128 and whose quantiser has fixed keys forms no tables: it
+ * searches keys from 128 on (kernel_ab, in cache on Zen 4: blocks of 128,
+ * 256 and 384 took 22-33% less than with the float search; docs/performance.md,
+ * "Fixed keys, and float16 squares by multiply-adds"). */
 #define KEY_MIN_LEN 512
 
 INLINE __m512i key16(__m512 x, __m512 vr, __m512 vtop) {
@@ -1001,7 +1005,8 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
      * the portable code divides first (test_kernels.c, under_daz) */
     mode = BY_SCALED_LEVELS;
 #if KEY_SEARCH
-    if (len >= KEY_MIN_LEN && s->key_search && mx >= 0x1p-96f) {
+    if (len >= (s->key_fixed && len % 128 == 0 ? 128 : KEY_MIN_LEN) && s->key_search &&
+        mx >= 0x1p-96f) {
       /* the scaled thresholds only for keys of their own or for the groups
        * after the last whole 128 (key_codes_t) */
       mode = BY_KEYS;
