@@ -2,8 +2,9 @@
  * x86-64 CPUs without AVX-512 (AMD before Zen 4, Intel client CPUs). The fp32
  * operations and their order match block_scalar.c exactly, so every output
  * agrees with it bit for bit:
- *  - no fused multiply-add (the target leaves out "fma", so the compiler
- *    cannot contract even without -ffp-contract=off);
+ *  - no fused multiply-add but the exact ones written out (float16 squares,
+ *    add_squares); every build passes -ffp-contract=off, as for the AVX-512
+ *    tables, so the compiler contracts nothing;
  *  - float16 through F16C, which rounds to nearest even like gefen_f32_to_f16
  *    and makes a NaN a NaN of the same sign, but keeps payload bits that the
  *    portable conversion drops: each function that stores float16 makes the
@@ -39,7 +40,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
-#define TARGET __attribute__((target("avx2,f16c")))
+#define TARGET __attribute__((target("avx2,f16c,fma")))
 #define INLINE TARGET static GEFEN_ALWAYS_INLINE
 
 /* 8 elements of a float32/bfloat16/float16 buffer as fp32. */
@@ -214,6 +215,30 @@ INLINE void add_lanes(__m256d *lo, __m256d *hi, __m256 x) {
   *hi = _mm256_add_pd(*hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
 }
 
+/* The 8 values of g as float64: lanes 0-3 in a, 4-7 in b. */
+INLINE void widen_pd(__m256 g, __m256d *a, __m256d *b) {
+  *a = _mm256_cvtps_pd(_mm256_castps256_ps128(g));
+  *b = _mm256_cvtps_pd(_mm256_extractf128_ps(g, 1));
+}
+
+/* Adds g^2 of the 8 values g (of dtype dt) to the float64 lanes lo and hi, as
+ * add_lanes(lo, hi, g * g). For float16 g by multiply-adds of g widened to
+ * float64: its square (at most 22 bits, 2^-48 to 2^32) is exact in float32,
+ * so RN(acc + (double)RN32(g * g)) = RN(acc + g * g), with no float32
+ * product (gefen_fma_squares16 in block_avx512_common.h, the same for
+ * AVX-512). bfloat16 and fp32 squares can round or overflow in float32 and
+ * keep the product. */
+INLINE void add_squares(__m256d *lo, __m256d *hi, __m256 g, const gefen_dtype dt) {
+  if (dt != GEFEN_F16) {
+    add_lanes(lo, hi, _mm256_mul_ps(g, g));
+    return;
+  }
+  __m256d a, b;
+  widen_pd(g, &a, &b);
+  *lo = _mm256_fmadd_pd(a, a, *lo);
+  *hi = _mm256_fmadd_pd(b, b, *hi);
+}
+
 /* Calls CALL(DT) with the dtype as a compile-time constant. float64 goes to the
  * portable primitive before this. */
 #define DTYPE_SWITCH(dt, CALL)         \
@@ -308,13 +333,13 @@ INLINE float adam_momentum_run(const void *grad, const gefen_dtype dt, int64_t b
       vmx = _mm256_max_ps(
           adam8_at(grad, dt, base, codes, tb, j + 8, vmag, vb1, vomb1, m, &g1, tabled), vmx);
     }
-    add_lanes(&acc[0], &acc[1], _mm256_mul_ps(g0, g0));
-    add_lanes(&acc[2], &acc[3], _mm256_mul_ps(g1, g1));
+    add_squares(&acc[0], &acc[1], g0, dt);
+    add_squares(&acc[2], &acc[3], g1, dt);
   }
   if (!packed && len - j >= 8) { /* lanes 0-7 */
     vmx = _mm256_max_ps(
         adam8_at(grad, dt, base, codes, tb, j, vmag, vb1, vomb1, m, &g0, tabled), vmx);
-    add_lanes(&acc[0], &acc[1], _mm256_mul_ps(g0, g0));
+    add_squares(&acc[0], &acc[1], g0, dt);
     j += 8;
   }
   double lanes[GEFEN_SUM_LANES];
@@ -704,6 +729,15 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
 INLINE void row8(const void *grad, gefen_dtype dt, int64_t at, __m256d *lo, __m256d *hi,
                  __m256d *c_lo, __m256d *c_hi) {
   const __m256 g = load8(grad, dt, at);
+  if (dt == GEFEN_F16) { /* exact squares by multiply-adds (add_squares) */
+    __m256d a, b;
+    widen_pd(g, &a, &b);
+    *lo = _mm256_fmadd_pd(a, a, *lo);
+    *hi = _mm256_fmadd_pd(b, b, *hi);
+    *c_lo = _mm256_fmadd_pd(a, a, *c_lo);
+    *c_hi = _mm256_fmadd_pd(b, b, *c_hi);
+    return;
+  }
   const __m256 x = _mm256_mul_ps(g, g);
   const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
   const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
@@ -1007,8 +1041,8 @@ static const gefen_block_ops ops_avx2 = {
 
 static int cpu_has_avx2(void) {
   __builtin_cpu_init();
-  /* every CPU with AVX2 has FMA and F16C too; FMA is required only so that
-   * this path means the same CPUs everywhere (it is never used) */
+  /* every CPU with AVX2 has FMA and F16C too; FMA is used only for the
+   * exact float16 squares (add_squares, row8) */
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          gefen_cpuid_ecx_bit(1, 29); /* F16C */
 }

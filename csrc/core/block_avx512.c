@@ -125,7 +125,9 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
        * multiply-adds (exact squares: gefen_fma_squares16); the pass took
        * 19-23% less time at 16.8M with one and two threads on the Zen 4 VM
        * (docs/performance.md, "Fixed keys, and float16 squares by
-       * multiply-adds") */
+       * multiply-adds"). Written out: the same load and widening through a
+       * helper shared with square8_pd made GCC 12 compile both 16-bit row
+       * loops 12-49% slower on the Zen 4 VM (2026-12-05). */
       const __m512d a = _mm512_cvtps_pd(
           _mm256_maskz_cvtph_ps((__mmask8)0xff, _mm_maskz_loadu_epi16(k_lo, (const uint16_t *)grad + at)));
       const __m512d b = _mm512_cvtps_pd(
