@@ -725,26 +725,13 @@ TARGET static void requantize(const gefen_quantizer *q, float *m, float mx, int6
 /* ------------------------------------------------------- factored stats */
 
 /* x = g^2 of the 8 elements at (row r, column j) into the row's lanes lo and hi
- * and into the column sums c_lo and c_hi held in registers. */
+ * and into the column sums c_lo and c_hi held in registers (add_squares for
+ * each pair; the compiler forms x, or the widened float16 g, once). */
 INLINE void row8(const void *grad, gefen_dtype dt, int64_t at, __m256d *lo, __m256d *hi,
                  __m256d *c_lo, __m256d *c_hi) {
   const __m256 g = load8(grad, dt, at);
-  if (dt == GEFEN_F16) { /* exact squares by multiply-adds (add_squares) */
-    __m256d a, b;
-    widen_pd(g, &a, &b);
-    *lo = _mm256_fmadd_pd(a, a, *lo);
-    *hi = _mm256_fmadd_pd(b, b, *hi);
-    *c_lo = _mm256_fmadd_pd(a, a, *c_lo);
-    *c_hi = _mm256_fmadd_pd(b, b, *c_hi);
-    return;
-  }
-  const __m256 x = _mm256_mul_ps(g, g);
-  const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-  const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-  *lo = _mm256_add_pd(*lo, x_lo);
-  *hi = _mm256_add_pd(*hi, x_hi);
-  *c_lo = _mm256_add_pd(*c_lo, x_lo);
-  *c_hi = _mm256_add_pd(*c_hi, x_hi);
+  add_squares(lo, hi, g, dt);
+  add_squares(c_lo, c_hi, g, dt);
 }
 
 /* Rows taken at once: their column sums are loaded and stored once per 16
@@ -1042,7 +1029,7 @@ static const gefen_block_ops ops_avx2 = {
 static int cpu_has_avx2(void) {
   __builtin_cpu_init();
   /* every CPU with AVX2 has FMA and F16C too; FMA is used only for the
-   * exact float16 squares (add_squares, row8) */
+   * exact float16 squares (add_squares) */
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          gefen_cpuid_ecx_bit(1, 29); /* F16C */
 }
