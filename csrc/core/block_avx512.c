@@ -111,6 +111,40 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
   const __mmask8 k_lo = (__mmask8)(k & 0xff), k_hi = (__mmask8)(k >> 8);
   __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
   __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
+  if (halves == 2) {
+    /* bfloat16 by multiply-adds (block_ops.h; rows_t has checked the rows'
+     * first terms): the column sums after the first row must be at least
+     * 2^-72, else these 16 columns take the float32 squares below */
+    const __m512d big = _mm512_set1_pd(0x1p-72);
+    __m512d a[ROWS_AT_ONCE], b[ROWS_AT_ONCE];
+#pragma GCC unroll 8
+    for (int r = 0; r < n; r++) {
+      const int64_t at = base + r * len + j;
+      a[r] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(k_lo, (const uint16_t *)grad + at)), 16)));
+      b[r] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(k_hi, (const uint16_t *)grad + at + 8)),
+          16)));
+      if (r == 0) {
+        const __m512d f_lo = _mm512_fmadd_pd(a[0], a[0], c_lo);
+        const __m512d f_hi = _mm512_fmadd_pd(b[0], b[0], c_hi);
+        if ((_mm512_mask_cmp_pd_mask(k_lo, f_lo, big, _CMP_GE_OQ) != k_lo) |
+            (_mm512_mask_cmp_pd_mask(k_hi, f_hi, big, _CMP_GE_OQ) != k_hi))
+          goto f32_squares;
+        c_lo = f_lo;
+        c_hi = f_hi;
+      } else {
+        c_lo = _mm512_fmadd_pd(a[r], a[r], c_lo);
+        c_hi = _mm512_fmadd_pd(b[r], b[r], c_hi);
+      }
+      lo[r] = _mm512_fmadd_pd(a[r], a[r], lo[r]); /* masked lanes add 0 */
+      hi[r] = _mm512_fmadd_pd(b[r], b[r], hi[r]);
+    }
+    _mm512_mask_storeu_pd(colsum + j, k_lo, c_lo);
+    _mm512_mask_storeu_pd(colsum + j + 8, k_hi, c_hi);
+    return;
+  }
+f32_squares:
   /* unrolled: without it GCC 12 kept the prefetching (float32, AMD) variant's
    * rows in a loop, their sums on the stack (a load and a store per 8 lanes),
    * and that pass took 6% longer in cache on the Zen 4 VM (docs/performance.md) */
@@ -168,6 +202,39 @@ INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
   for (int r = 0; r < n; r++) sums[r] = gefen_sum_lanes16(lo[r], hi[r]);
 }
 
+/* Where a row's bfloat16 squares by multiply-adds took one that overflows
+ * float32 (block_ops.h), its sum and its columns' sums are +inf, as in the
+ * canonical order (NaNs stay). */
+TARGET __attribute__((noinline, cold)) static void bf16_rows_settle(const void *grad, int64_t base,
+                                                                    int64_t len, int64_t rows,
+                                                                    double *colsum, double *sums) {
+  for (int64_t r = 0; r < rows; r++) {
+    if (sums[r] < GEFEN_BF16_SQ_BIG) continue;
+    for (int64_t j = 0; j < len; j++)
+      if (gefen_bf16_sq_overflow(grad, base + r * len + j)) {
+        if (sums[r] == sums[r]) sums[r] = (double)INFINITY;
+        if (colsum[j] == colsum[j]) colsum[j] = (double)INFINITY;
+      }
+  }
+}
+
+/* bfloat16 rows by multiply-adds where every row's first 16 terms allow it
+ * (block_ops.h), else by float32 squares. */
+INLINE void rows_bf16(const void *grad, int64_t base, int64_t len, const int n, double *colsum,
+                      double *sums) {
+  int fma = 1;
+  for (int r = 0; r < n; r++)
+    fma &= gefen_bf16_sq_starts_ok16(grad, base + r * len, len);
+  if (!fma) {
+    rows_t(grad, GEFEN_BF16, base, len, n, 0, 1, colsum, sums);
+    return;
+  }
+  rows_t(grad, GEFEN_BF16, base, len, n, 0, 2, colsum, sums);
+  int big = 0;
+  for (int r = 0; r < n; r++) big |= !(sums[r] < GEFEN_BF16_SQ_BIG);
+  if (big) bf16_rows_settle(grad, base, len, n, colsum, sums);
+}
+
 TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t base, int64_t len,
                                    int64_t rows, double *colsum, double *sums) {
   if (dt == GEFEN_F64) {
@@ -177,6 +244,12 @@ TARGET void gefen_avx512_row_stats(const void *grad, gefen_dtype dt, int64_t bas
   const int pf = dt == GEFEN_F32 && __builtin_cpu_is("amd"); /* see rows16 */
   const int halves = dt != GEFEN_F32;                         /* see square8_pd */
   int64_t r = 0;
+  if (dt == GEFEN_BF16) {
+    for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE)
+      rows_bf16(grad, base + r * len, len, ROWS_AT_ONCE, colsum, sums + r);
+    for (; r < rows; r++) rows_bf16(grad, base + r * len, len, 1, colsum, sums + r);
+    return;
+  }
   for (; r + ROWS_AT_ONCE <= rows; r += ROWS_AT_ONCE) {
     if (pf) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 1, 0, colsum, sums + r);
     else if (halves) rows_t(grad, dt, base + r * len, len, ROWS_AT_ONCE, 0, 1, colsum, sums + r);

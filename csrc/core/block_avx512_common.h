@@ -135,6 +135,53 @@ GEFEN_AVX512_INLINE void gefen_fma_squares16(__m512d *lo, __m512d *hi, __m512 x)
   *hi = _mm512_fmadd_pd(b, b, *hi);
 }
 
+/* bfloat16 sums of squares by float64 multiply-adds (the block momentum and the
+ * factored statistics): the canonical order adds RN32(g * g) widened to
+ * float64; a multiply-add of the widened g adds the exact g * g instead. The two are the same term for every
+ * bfloat16 g with 2^-63 <= |g| < 2^64 (a square of at most 16 significant bits
+ * in float32's normal range), for zeros, infinities and NaNs. The others:
+ *  - finite |g| >= 2^64: RN32(g * g) is +inf, the exact square finite (below
+ *    2^256, so no float64 sum overflows). A sum that took one is +inf in the
+ *    canonical order (NaN if it took a NaN too, the same NaN both ways) and at
+ *    least 2^128 by multiply-adds: gefen_bf16_sq_overflow finds the terms where
+ *    a sum is not below 2^128, and the sum is made +inf.
+ *  - 0 < |g| < 2^-63: both squares are at most 2^-126, so added to a float64
+ *    accumulator of at least 2^-72 (half an ulp at least 2^-125) both leave it
+ *    unchanged. A lane is therefore exact once its first term is at least
+ *    2^-72 exactly: |g| >= 2^-36, bits 0x2d80 (gefen_bf16_sq_starts_ok16), or its
+ *    accumulator is already that large; where neither can be shown, the kernels
+ *    take the float32 squares of the canonical order. */
+#define GEFEN_BF16_SQ_START 0x2d80u    /* bits of |g| = 2^-36 */
+#define GEFEN_BF16_SQ_OVERFLOW 0x5f80u /* bits of |g| = 2^64 */
+#define GEFEN_BF16_SQ_BIG 0x1p128      /* no sum below this took such a g */
+
+/* Whether the bfloat16 value at i is finite with |g| >= 2^64 (its float32
+ * square is +inf). */
+GEFEN_AVX512_INLINE int gefen_bf16_sq_overflow(const void *grad, int64_t i) {
+  const unsigned a = ((const uint16_t *)grad)[i] & 0x7fffu;
+  return a >= GEFEN_BF16_SQ_OVERFLOW && a < 0x7f80u;
+}
+
+/* A sum of n bfloat16 squares at base by multiply-adds, made what the
+ * canonical order gives where it took a square that overflows float32. */
+GEFEN_AVX512_INLINE double gefen_bf16_sq_settle(const void *grad, int64_t base, int64_t n,
+                                                 double sum) {
+  if (sum < GEFEN_BF16_SQ_BIG || sum != sum) return sum;
+  for (int64_t i = 0; i < n; i++)
+    if (gefen_bf16_sq_overflow(grad, base + i)) return (double)INFINITY;
+  return sum;
+}
+
+/* Whether the first min(n, 16) bfloat16 values at base all have |g| >= 2^-36
+ * (NaNs and infinities too): the first terms of a sum's 16 lanes, which
+ * make its multiply-adds exact (block_ops.h). */
+GEFEN_AVX512_INLINE int gefen_bf16_sq_starts_ok16(const void *grad, int64_t base, int64_t n) {
+  const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+  const __m256i a = _mm256_and_si256(_mm256_maskz_loadu_epi16(k, (const uint16_t *)grad + base),
+                                     _mm256_set1_epi16(0x7fff));
+  return _mm256_mask_cmpge_epu16_mask(k, a, _mm256_set1_epi16((short)GEFEN_BF16_SQ_START)) == k;
+}
+
 /* The canonical in-order sum of the 16 lanes (see block_ops.h). */
 GEFEN_AVX512_INLINE double gefen_sum_lanes16(__m512d lo, __m512d hi) {
   double lanes[GEFEN_SUM_LANES];

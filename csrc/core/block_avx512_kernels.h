@@ -277,11 +277,8 @@ INLINE void momentum64_packed(planes_ptr plane, const int tabled, const void *gr
    * (gefen_add_lanes16 with lo = hi), so that in the packed order the even (odd)
    * accumulator's lane a holds what the element order's lane 2a (2a + 1) would, term
    * after term */
-  if (want_sq)
-    for (int v = 0; v < 4; v++) {
-      __m512d *acc = v % 2 ? odd : even;
-      gefen_add_lanes16(acc, acc, _mm512_mul_ps(g[v], g[v]));
-    }
+  if (want_sq) /* by multiply-adds, checked in momentum_run (block_ops.h) */
+    for (int v = 0; v < 4; v++) gefen_fma_squares16(v % 2 ? odd : even, v % 2 ? odd : even, g[v]);
 }
 #endif
 
@@ -304,11 +301,23 @@ INLINE void momentum64(const gefen_quant_search *s, planes_ptr plane, const int 
     const __m512 x = momentum_of(cv, vomb, g, muon);
     _mm512_mask_storeu_ps(m + i, k, x);
     acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
-    if (want_sq && dt == GEFEN_F16)
+    if (want_sq && dt != GEFEN_F32) /* bfloat16: checked in momentum_run */
       gefen_fma_squares16(&acc->lo, &acc->hi, g); /* masked lanes add 0 */
     else if (want_sq)
       gefen_add_lanes16(&acc->lo, &acc->hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
   }
+}
+
+/* The canonical sum of a bfloat16 block's float32 squares, for the blocks
+ * whose multiply-adds cannot be shown exact (block_ops.h). */
+TARGET __attribute__((noinline, cold)) static double bf16_squares_f32(const void *grad,
+                                                                      int64_t base, int64_t len) {
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  for (int64_t j = 0; j < len; j += 16) {
+    const __m512 g = gefen_load16(grad, GEFEN_BF16, base + j, gefen_tail_mask16(len - j));
+    gefen_add_lanes16(&lo, &hi, _mm512_mul_ps(g, g)); /* masked lanes add 0 */
+  }
+  return gefen_sum_lanes16(lo, hi);
 }
 
 /* Gefen (muon = 0): m = beta1 * (C[code] * mag_old) + (1 - beta1) * g, with
@@ -341,7 +350,14 @@ INLINE float momentum_run(const gefen_quant_search *s, planes_ptr plane, const i
   if (j < len)
     momentum64(s, plane, tabled, grad, dt, base, codes, vmag, vb1, vomb, len, m, j,
                tail_mask64(len - j), &acc, muon, want_sq);
-  if (want_sq) *sq += gefen_sum_lanes16(acc.lo, acc.hi);
+  if (want_sq) {
+    double t = gefen_sum_lanes16(acc.lo, acc.hi);
+    if (dt == GEFEN_BF16) /* squares by multiply-adds (block_ops.h): a zero sum took only zeros */
+      t = t != 0.0 && !gefen_bf16_sq_starts_ok16(grad, base, len)
+              ? bf16_squares_f32(grad, base, len)
+              : gefen_bf16_sq_settle(grad, base, len, t);
+    *sq += t;
+  }
   return _mm512_reduce_max_ps(acc.vmx);
 }
 

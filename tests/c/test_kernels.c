@@ -549,6 +549,157 @@ static void test_row_stats_long(void) {
         }
 }
 
+/* bfloat16 sums of squares: the AVX-512 tables add the exact square by a
+ * float64 multiply-add where block_ops.h shows that it is the canonical
+ * order's float32 square, and take the float32 squares where it cannot. Each
+ * case below is one that the multiply-adds alone would get wrong, or one that
+ * must still take them: tiny values whose float32 squares are rounded (in a
+ * lane's first terms, in a column whose sum is still small), finite values
+ * whose float32 squares overflow (with and without a NaN in the same sum), all
+ * zeros. The sums are compared as float64 bits with the portable version's. */
+static uint16_t tiny_bf16(void) { /* 2^-87 <= |g| < 2^-64: a rounded float32 square */
+  return (uint16_t)(((rng() & 1) << 15) | ((40 + rng() % 23) << 7) | (rng() & 0x7f));
+}
+
+static uint16_t huge_bf16(void) { /* finite, |g| >= 2^64: a float32 square of +inf */
+  return (uint16_t)(((rng() & 1) << 15) | (0x5f80 + rng() % (0x7f80 - 0x5f80)));
+}
+
+static void test_bf16_squares_on(const gefen_block_ops *simd, const char *name,
+                                 gefen_quantizer *q) {
+  enum { MAXL = 2048 + 37, NCASE = 8 };
+  static uint16_t g[MAXL];
+  static float m1[MAXL], m2[MAXL];
+  static uint8_t codes[MAXL];
+  const int64_t lens[] = {1, 16, 40, 64, 300, 2048 + 37};
+  for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
+    for (int c = 0; c < NCASE; c++) {
+      const int64_t len = lens[li];
+      fill_grad(g, GEFEN_BF16, len, 0.01f);
+      for (int64_t j = 0; j < len; j++) codes[j] = (uint8_t)(rng() & 0xff);
+      switch (c) {
+        case 0: /* all tiny: no lane can start exact */
+          for (int64_t j = 0; j < len; j++) g[j] = tiny_bf16();
+          break;
+        case 1: /* tiny after the first 16 terms: exact by multiply-adds */
+          for (int64_t j = 16; j < len; j += 3) g[j] = tiny_bf16();
+          break;
+        case 2: /* a zero first term, then tiny ones */
+          g[0] = 0;
+          for (int64_t j = 1; j < len; j++) g[j] = tiny_bf16();
+          break;
+        case 3: /* one lane starts at 2^-40 (a square exact in float32, below 2^-72) */
+          g[len > 5 ? 5 : 0] = 0x2b80;
+          for (int64_t j = 16; j < len; j += 2) g[j] = tiny_bf16();
+          break;
+        case 4: /* squares that overflow float32 */
+          g[(int64_t)(rng() % (uint64_t)len)] = huge_bf16();
+          g[(int64_t)(rng() % (uint64_t)len)] = 0x5f80; /* 2^64 exactly */
+          break;
+        case 5: /* one that overflows and a NaN: the NaN */
+          g[len - 1] = huge_bf16();
+          g[(len - 1) / 2] = (len - 1) / 2 == len - 1 ? g[len - 1] : 0x7fa1;
+          break;
+        case 6: /* all zero */
+          memset(g, 0, sizeof(uint16_t) * (size_t)len);
+          break;
+        default: /* the largest values that do not overflow, and their neighbours */
+          for (int64_t j = 0; j < len; j += 7) g[j] = (uint16_t)(0x5f7e + rng() % 3);
+          break;
+      }
+      double s1 = 0, s2 = 0;
+      gefen_block_ops_scalar.adam_momentum(g, GEFEN_BF16, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m1,
+                                           &s1, 0);
+      for (int packed = 0; packed < 2; packed++) {
+        s2 = 0;
+        simd->adam_momentum(g, GEFEN_BF16, 0, codes, q, 0.02f, 0.9f, 0.1f, len, m2, &s2,
+                            packed ? (int)GEFEN_SINK_ADAM_BLOCK : 0);
+        CHECK(memcmp(&s1, &s2, sizeof s1) == 0,
+              "%s: bf16 squares, case %d, len %lld%s: block sum %.17g vs %.17g", name, c,
+              (long long)len, packed ? " (packed)" : "", s1, s2);
+      }
+    }
+  /* rows: 1..17 rows of 5..2085 columns; tiny columns from 16 on (the rows'
+   * first terms allow multiply-adds, the columns' sums do not), or from 0 */
+  enum { MAXC = 2048 + 37, MAXR = 17 };
+  static uint16_t rg[MAXR * MAXC];
+  static double cs1[MAXC], cs2[MAXC];
+  const int64_t colss[] = {5, 16, 37, 2048 + 37};
+  const int64_t rowss[] = {1, 3, 8, 9, 17};
+  for (size_t ci = 0; ci < sizeof colss / sizeof colss[0]; ci++)
+    for (size_t ri = 0; ri < sizeof rowss / sizeof rowss[0]; ri++)
+      for (int c = 0; c < NCASE; c++) {
+        const int64_t cols = colss[ci], rows = rowss[ri];
+        fill_grad(rg, GEFEN_BF16, rows * cols, 0.01f);
+        /* column sums from an earlier call: large (odd cases: only the rows'
+         * first terms decide) or mostly zero (even cases) */
+        for (int64_t j = 0; j < cols; j++) cs1[j] = cs2[j] = c % 2 || j % 3 == 0 ? 0.5 : 0.0;
+        const int64_t from = c % 2 ? 0 : (cols > 16 ? 16 : 0);
+        switch (c / 2) {
+          case 0: /* tiny columns */
+            for (int64_t j = from; j < cols; j += 2)
+              for (int64_t r = 0; r < rows; r++) rg[r * cols + j] = tiny_bf16();
+            break;
+          case 1: /* rows of tiny values (odd cases) or a zero and tiny values */
+            for (int64_t r = 0; r < rows; r += 4) {
+              for (int64_t j = 0; j < cols; j++) rg[r * cols + j] = tiny_bf16();
+              if (c % 2 == 0) rg[r * cols] = 0;
+            }
+            break;
+          case 2: /* overflowing squares, one with a NaN in its row (another column) */
+            for (int k = 0; k < 3; k++) {
+              const int64_t r = (int64_t)(rng() % (uint64_t)rows);
+              const int64_t j = (int64_t)(rng() % (uint64_t)cols);
+              rg[r * cols + j] = huge_bf16();
+              if (k == 0 && cols > 1) rg[r * cols + (j + 1) % cols] = 0x7fa1;
+            }
+            break;
+          default: /* all zero but one row, or tiny columns whose first row is zero */
+            if (c % 2) {
+              memset(rg, 0, sizeof(uint16_t) * (size_t)(rows * cols));
+              rg[(rows - 1) * cols] = 0x3f80;
+            } else
+              for (int64_t j = from; j < cols; j += 2) {
+                rg[j] = 0;
+                for (int64_t r = 1; r < rows; r++) rg[r * cols + j] = tiny_bf16();
+              }
+            break;
+        }
+        double r1[MAXR], r2[MAXR];
+        gefen_block_ops_scalar.row_stats(rg, GEFEN_BF16, 0, cols, rows, cs1, r1);
+        simd->row_stats(rg, GEFEN_BF16, 0, cols, rows, cs2, r2);
+        int64_t bad = -1;
+        for (int64_t j = 0; j < cols && bad < 0; j++)
+          if (memcmp(&cs1[j], &cs2[j], 8)) bad = j;
+        CHECK(memcmp(r1, r2, sizeof(double) * (size_t)rows) == 0,
+              "%s: bf16 squares, case %d: row sums differ (%lld rows of %lld)", name, c,
+              (long long)rows, (long long)cols);
+        CHECK(bad < 0, "%s: bf16 squares, case %d: column %lld's sum %.17g vs %.17g (%lld rows of %lld)",
+              name, c, (long long)bad, bad < 0 ? 0.0 : cs1[bad], bad < 0 ? 0.0 : cs2[bad],
+              (long long)rows, (long long)cols);
+      }
+}
+
+/* A quantiser of a learned codebook (NULL, with a failure, if it cannot be made). */
+static gefen_quantizer *learned_quantizer(void) {
+  float c[256];
+  learned_codebook(c, 3500);
+  gefen_quantizer *q = NULL;
+  gefen_error err;
+  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  return q;
+}
+
+static void test_bf16_squares(void) {
+  const gefen_block_ops *simd[TEST_SIMD_MAX];
+  const char *names[TEST_SIMD_MAX];
+  const int n = test_simd_tables(simd, names);
+  gefen_quantizer *q = learned_quantizer();
+  if (!q) return;
+  for (int s = 0; s < n; s++) test_bf16_squares_on(simd[s], names[s], q);
+  gefen_quantizer_destroy(q);
+}
+
 /* The largest float <= x, the smallest float >= x. */
 static float float_down(double x) {
   float f = (float)x;
@@ -924,11 +1075,7 @@ static void test_bf16_subnormals_under_daz(void) {
   const gefen_block_ops *simd[TEST_SIMD_MAX];
   const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
-  float c[256];
-  learned_codebook(c, 3500);
-  gefen_quantizer *q = NULL;
-  gefen_error err;
-  CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
+  gefen_quantizer *q = learned_quantizer();
   if (!q) return;
   enum { L = 1000 };
   static float m0[L], m1[L], m2[L], scol[L];
@@ -1102,6 +1249,7 @@ int main(void) {
   printf("test_kernels: SIMD vs portable blocks\n");
   test_simd_blocks();
   test_row_stats_long();
+  test_bf16_squares();
   printf("test_kernels: fused requantisation and sinks vs portable\n");
   test_scaled_rule();
   test_fixed_keys();
