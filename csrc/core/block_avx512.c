@@ -70,7 +70,14 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
 
 /* ------------------------------------------------------------ other passes */
 
-/* g^2 of the 8 16-bit gradient values at `at` (or the first ones of k; the
+/* The 8 bfloat16 values at `at` (or the first ones of k; the others 0) as
+ * float. */
+INLINE __m256 bf16x8(const void *grad, int64_t at, __mmask8 k) {
+  const __m128i h = _mm_maskz_loadu_epi16(k, (const uint16_t *)grad + at);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* g^2 of the 8 bfloat16 gradient values at `at` (or the first ones of k; the
  * others 0) as float64: widened to float, squared, widened again, as
  * gefen_add_lanes16 does for each half of a vector. Taken as two halves of 8
  * instead of one vector of 16 (no vextractf64x4 for the high half; the
@@ -81,13 +88,11 @@ INLINE void store_codes64(const gefen_quant_search *s, const __m512i bits[4], ui
  * float32 rows were 2-4% slower that way and keep one vector
  * (docs/performance.md, "The factored form's extra cost, taken apart").
  * float16 rows take the halves without the square (rows16: by multiply-adds,
- * gefen_fma_squares16); this is bfloat16's, whose squares can overflow or
- * underflow in float32. */
-INLINE __m512d square8_pd(const void *grad, gefen_dtype dt, int64_t at, __mmask8 k) {
-  const __m128i h = _mm_maskz_loadu_epi16(k, (const uint16_t *)grad + at);
-  const __m256 g =
-      dt == GEFEN_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-                       : _mm256_maskz_cvtph_ps((__mmask8)0xff, h);
+ * gefen_fma_squares16); this is bfloat16's where its multiply-adds cannot be
+ * shown exact (block_avx512_common.h): its squares can overflow or underflow
+ * in float32. */
+INLINE __m512d square8_pd(const void *grad, int64_t at, __mmask8 k) {
+  const __m256 g = bf16x8(grad, at, k);
   return _mm512_cvtps_pd(_mm256_mul_ps(g, g));
 }
 
@@ -112,33 +117,30 @@ INLINE void rows16(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
   __m512d c_lo = _mm512_maskz_loadu_pd(k_lo, colsum + j);
   __m512d c_hi = _mm512_maskz_loadu_pd(k_hi, colsum + j + 8);
   if (halves == 2) {
-    /* bfloat16 by multiply-adds (block_ops.h; rows_t has checked the rows'
-     * first terms): the column sums after the first row must be at least
-     * 2^-72, else these 16 columns take the float32 squares below */
+    /* bfloat16 by multiply-adds (block_avx512_common.h; rows_bf16 has
+     * checked the rows' first terms): the column sums after the first row
+     * must be at least 2^-72, else these 16 columns take the float32 squares
+     * below, before anything is added */
     const __m512d big = _mm512_set1_pd(0x1p-72);
-    __m512d a[ROWS_AT_ONCE], b[ROWS_AT_ONCE];
 #pragma GCC unroll 8
     for (int r = 0; r < n; r++) {
       const int64_t at = base + r * len + j;
-      a[r] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(k_lo, (const uint16_t *)grad + at)), 16)));
-      b[r] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(k_hi, (const uint16_t *)grad + at + 8)),
-          16)));
+      const __m512d a = _mm512_cvtps_pd(bf16x8(grad, at, k_lo));
+      const __m512d b = _mm512_cvtps_pd(bf16x8(grad, at + 8, k_hi));
       if (r == 0) {
-        const __m512d f_lo = _mm512_fmadd_pd(a[0], a[0], c_lo);
-        const __m512d f_hi = _mm512_fmadd_pd(b[0], b[0], c_hi);
+        const __m512d f_lo = _mm512_fmadd_pd(a, a, c_lo);
+        const __m512d f_hi = _mm512_fmadd_pd(b, b, c_hi);
         if ((_mm512_mask_cmp_pd_mask(k_lo, f_lo, big, _CMP_GE_OQ) != k_lo) |
             (_mm512_mask_cmp_pd_mask(k_hi, f_hi, big, _CMP_GE_OQ) != k_hi))
           goto f32_squares;
         c_lo = f_lo;
         c_hi = f_hi;
       } else {
-        c_lo = _mm512_fmadd_pd(a[r], a[r], c_lo);
-        c_hi = _mm512_fmadd_pd(b[r], b[r], c_hi);
+        c_lo = _mm512_fmadd_pd(a, a, c_lo);
+        c_hi = _mm512_fmadd_pd(b, b, c_hi);
       }
-      lo[r] = _mm512_fmadd_pd(a[r], a[r], lo[r]); /* masked lanes add 0 */
-      hi[r] = _mm512_fmadd_pd(b[r], b[r], hi[r]);
+      lo[r] = _mm512_fmadd_pd(a, a, lo[r]); /* masked lanes add 0 */
+      hi[r] = _mm512_fmadd_pd(b, b, hi[r]);
     }
     _mm512_mask_storeu_pd(colsum + j, k_lo, c_lo);
     _mm512_mask_storeu_pd(colsum + j + 8, k_hi, c_hi);
@@ -172,9 +174,9 @@ f32_squares:
       c_hi = _mm512_fmadd_pd(b, b, c_hi);
       continue;
     }
-    if (halves) { /* 16-bit rows (square8_pd) */
-      x_lo = square8_pd(grad, dt, at, k_lo);
-      x_hi = square8_pd(grad, dt, at + 8, k_hi);
+    if (halves) { /* bfloat16 rows (square8_pd) */
+      x_lo = square8_pd(grad, at, k_lo);
+      x_hi = square8_pd(grad, at + 8, k_hi);
     } else {
       const __m512 g = gefen_load16(grad, dt, at, k);
       const __m512 x = _mm512_mul_ps(g, g);
@@ -203,7 +205,7 @@ INLINE void rows_t(const void *grad, gefen_dtype dt, int64_t base, int64_t len, 
 }
 
 /* Where a row's bfloat16 squares by multiply-adds took one that overflows
- * float32 (block_ops.h), its sum and its columns' sums are +inf, as in the
+ * float32 (block_avx512_common.h), its sum and its columns' sums are +inf, as in the
  * canonical order (NaNs stay). */
 TARGET __attribute__((noinline, cold)) static void bf16_rows_settle(const void *grad, int64_t base,
                                                                     int64_t len, int64_t rows,
@@ -219,7 +221,7 @@ TARGET __attribute__((noinline, cold)) static void bf16_rows_settle(const void *
 }
 
 /* bfloat16 rows by multiply-adds where every row's first 16 terms allow it
- * (block_ops.h), else by float32 squares. */
+ * (block_avx512_common.h), else by float32 squares. */
 INLINE void rows_bf16(const void *grad, int64_t base, int64_t len, const int n, double *colsum,
                       double *sums) {
   int fma = 1;

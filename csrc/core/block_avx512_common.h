@@ -137,9 +137,10 @@ GEFEN_AVX512_INLINE void gefen_fma_squares16(__m512d *lo, __m512d *hi, __m512 x)
 
 /* bfloat16 sums of squares by float64 multiply-adds (the block momentum and the
  * factored statistics): the canonical order adds RN32(g * g) widened to
- * float64; a multiply-add of the widened g adds the exact g * g instead. The two are the same term for every
- * bfloat16 g with 2^-63 <= |g| < 2^64 (a square of at most 16 significant bits
- * in float32's normal range), for zeros, infinities and NaNs. The others:
+ * float64; a multiply-add of the widened g adds the exact g * g instead. The
+ * two are the same term for every bfloat16 g with 2^-63 <= |g| < 2^64 (a
+ * square of at most 16 significant bits in float32's normal range), for
+ * zeros, infinities and NaNs. The others:
  *  - finite |g| >= 2^64: RN32(g * g) is +inf, the exact square finite (below
  *    2^256, so no float64 sum overflows). A sum that took one is +inf in the
  *    canonical order (NaN if it took a NaN too, the same NaN both ways) and at
@@ -174,7 +175,7 @@ GEFEN_AVX512_INLINE double gefen_bf16_sq_settle(const void *grad, int64_t base, 
 
 /* Whether the first min(n, 16) bfloat16 values at base all have |g| >= 2^-36
  * (NaNs and infinities too): the first terms of a sum's 16 lanes, which
- * make its multiply-adds exact (block_ops.h). */
+ * make its multiply-adds exact (above). */
 GEFEN_AVX512_INLINE int gefen_bf16_sq_starts_ok16(const void *grad, int64_t base, int64_t n) {
   const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
   const __m256i a = _mm256_and_si256(_mm256_maskz_loadu_epi16(k, (const uint16_t *)grad + base),

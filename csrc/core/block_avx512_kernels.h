@@ -277,7 +277,7 @@ INLINE void momentum64_packed(planes_ptr plane, const int tabled, const void *gr
    * (gefen_add_lanes16 with lo = hi), so that in the packed order the even (odd)
    * accumulator's lane a holds what the element order's lane 2a (2a + 1) would, term
    * after term */
-  if (want_sq) /* by multiply-adds, checked in momentum_run (block_ops.h) */
+  if (want_sq) /* by multiply-adds, checked in momentum_run */
     for (int v = 0; v < 4; v++) gefen_fma_squares16(v % 2 ? odd : even, v % 2 ? odd : even, g[v]);
 }
 #endif
@@ -309,7 +309,7 @@ INLINE void momentum64(const gefen_quant_search *s, planes_ptr plane, const int 
 }
 
 /* The canonical sum of a bfloat16 block's float32 squares, for the blocks
- * whose multiply-adds cannot be shown exact (block_ops.h). */
+ * whose multiply-adds cannot be shown exact (block_avx512_common.h). */
 TARGET __attribute__((noinline, cold)) static double bf16_squares_f32(const void *grad,
                                                                       int64_t base, int64_t len) {
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
@@ -352,7 +352,7 @@ INLINE float momentum_run(const gefen_quant_search *s, planes_ptr plane, const i
                tail_mask64(len - j), &acc, muon, want_sq);
   if (want_sq) {
     double t = gefen_sum_lanes16(acc.lo, acc.hi);
-    if (dt == GEFEN_BF16) /* squares by multiply-adds (block_ops.h): a zero sum took only zeros */
+    if (dt == GEFEN_BF16) /* multiply-adds (block_avx512_common.h): a zero sum took only zeros */
       t = t != 0.0 && !gefen_bf16_sq_starts_ok16(grad, base, len)
               ? bf16_squares_f32(grad, base, len)
               : gefen_bf16_sq_settle(grad, base, len, t);

@@ -550,7 +550,7 @@ static void test_row_stats_long(void) {
 }
 
 /* bfloat16 sums of squares: the AVX-512 tables add the exact square by a
- * float64 multiply-add where block_ops.h shows that it is the canonical
+ * float64 multiply-add where block_avx512_common.h shows that it is the canonical
  * order's float32 square, and take the float32 squares where it cannot. Each
  * case below is one that the multiply-adds alone would get wrong, or one that
  * must still take them: tiny values whose float32 squares are rounded (in a
