@@ -10,6 +10,7 @@ the update itself (``_prepare_update``, ``_run_update``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,26 @@ from . import _checkpoint
 from ._comm import FLAG_ANY_GRAD, FLAG_ANY_LR, FLAG_NO_KEEP, Comm
 from ._device import DeviceTables, code_map, stream_of
 from ._ext import _C
-from ._layout import SCHEMA_VERSION, as_float, check_grad, check_param, param_name, rows_cols
+from ._layout import (
+    SCHEMA_VERSION,
+    as_float,
+    check_grad,
+    check_no_self_overlap,
+    check_param,
+    param_name,
+    rows_cols,
+)
 from ._learning import choose_periods, learn_codebook
-from ._views import ParamView, layout_of, local, make_replicated, make_row_state, make_view, place
+from ._views import (
+    ParamView,
+    check_disjoint,
+    layout_of,
+    local,
+    make_replicated,
+    make_row_state,
+    make_view,
+    place,
+)
 
 
 @dataclass
@@ -155,11 +173,15 @@ class _QuantizedOptimizer(Optimizer):
         Layouts (placements, shard groups, row ranges) are computed once per parameter."""
         placements = self.__dict__.setdefault("_layout_cache", {})
         views = []
+        seen = set()
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 pl = placements.get(p)
                 if pl is None:
                     pl = placements[p] = place(p, param_name(group, gi, i))
+                elif id(p) in seen:  # listed twice: this entry's own name (for the error)
+                    pl = dataclasses.replace(pl, name=param_name(group, gi, i))
+                seen.add(id(p))
                 if pl.rows * pl.cols == 0:
                     continue  # nothing to update, no state
                 views.append(make_view(p, pl.name, group, gi, i, pl))
@@ -324,8 +346,26 @@ class _QuantizedOptimizer(Optimizer):
         for v in all_views:
             if v.grad is not None:
                 check_grad(v.param, v.grad, v.name)
-        self._check_step_inputs([v for v in all_views if v.grad is not None])
+                check_no_self_overlap(v.param, v.name)
+        stepped = [v for v in all_views if v.grad is not None]
+        self._check_step_inputs(stepped)
+        self._check_disjoint(stepped)
         return all_views, lrs
+
+    def _check_disjoint(self, views: list[ParamView]) -> None:
+        """No parameter listed twice and no two stepped parameters overlapping in memory
+        (the update would be applied twice to the shared elements; Gefen's C plan sees
+        only contiguous parameters, so non-contiguous views are checked here). Checked
+        once per memory layout of the stepped parameters: a step whose parameters sit
+        where they sat at the last successful check costs one tuple comparison."""
+        signature = tuple(
+            (v.param.device, v.param.data_ptr(), v.param.shape, v.param.stride(), v.param.element_size())
+            for v in views
+        )
+        if self.__dict__.get("_disjoint_signature") == signature:
+            return
+        check_disjoint(views)
+        self._disjoint_signature = signature
 
     def _prepare_step(self, outside_error: BaseException | None = None) -> StepPlan | None:
         """Everything a step does before its first mutation: check every gradient, group
@@ -444,8 +484,8 @@ class _QuantizedOptimizer(Optimizer):
         ``torch.distributed.checkpoint`` on any topology).
 
         Validate → agree → convert → install. Everything is validated first (schema,
-        kind, group sizes, keys, shapes, dtypes, finite non-negative moments, a valid
-        codebook shared by all parameters, one global step, every rank's rows against
+        kind, group sizes, keys, shapes, dtypes, no negative moments (NaN and +inf,
+        which a step with a non-finite gradient writes, load back), a valid codebook shared by all parameters, one global step, every rank's rows against
         their digests, no state dropped on the way); every rank then agrees, and on any
         error every rank raises the same ``ValueError`` naming the parameter, leaving the
         optimizer exactly as it was. Hyper-parameters are restored from the saved groups

@@ -37,6 +37,9 @@ STATE_COUNT = "gefen_state_count"
 DIGEST_ROWS, DIGEST = DIGEST_KEYS
 #: State tensors that follow the parameter's rows, in digest order.
 ROW_FIELDS = ("codes", "magnitude", "vmean", "v_row", "v")
+#: State entries that are ints in the live state (a checkpoint may hold them as floats or
+#: one-element tensors, as torch.optim stores ``step``).
+INT_KEYS = ("step", "global_step", "period", "factored")
 #: State tensors every rank holds whole, in the order of ``digest``.
 REPLICATED_FIELDS = ("v_col", "codebook")
 
@@ -144,7 +147,15 @@ def state_dict(opt) -> dict[str, Any]:
         for i, p in enumerate(group["params"]):
             st = opt.state.get(p)
             if st:
-                view = make_view(p, param_name(group, gi, i), group, gi, i)
+                name = param_name(group, gi, i)
+                codes = st.get("codes")
+                if isinstance(codes, torch.Tensor) and tuple(codes.shape) != tuple(p.shape):
+                    raise RuntimeError(
+                        f"parameter '{name}': has shape {tuple(p.shape)} but its optimizer state "
+                        f"was made for shape {tuple(codes.shape)} (the parameter was resized or "
+                        "replaced after its first step); its state cannot be saved"
+                    )
+                view = make_view(p, name, group, gi, i)
                 # state prepare_load allocated is a load target: its digests do not matter
                 state[index] = export_state(view, st, memo, digests=not opt.__dict__.get("_prepared"))
             ids.append(index)
@@ -268,11 +279,19 @@ def validate(opt, state_dict: dict[str, Any]) -> dict:
         # hyper-parameters come from the checkpoint (as torch.optim does); the options
         # that choose the representation and the sharded mode stay the live ones
         sg.update({k: g[k] for k in opt._LIVE_OPTIONS if k in g})
+        missing = [k for k in opt.defaults if k not in sg and k != STATE_COUNT]
+        if missing:
+            raise ValueError(
+                f"parameter group {gi}: the saved group has no {', '.join(map(repr, missing))} "
+                "(a gefen state dict carries every option of its groups)"
+            )
         merged = dict(sg, params=g["params"])
         try:
             opt._check_group(merged)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"parameter group {gi}: invalid saved hyper-parameter: {exc}") from None
+        except KeyError as exc:
+            raise ValueError(f"parameter group {gi}: the saved group has no {exc.args[0]!r}") from None
     id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                       chain.from_iterable(g["params"] for g in groups)))
     where = {}
@@ -352,7 +371,9 @@ def install(opt, checked: dict, convert: Callable[[ParamView, dict, dict], dict]
         for k, v in st.items():
             if k == "codebook":
                 continue
-            if isinstance(v, torch.Tensor):
+            if k in INT_KEYS:  # (validated: an int, an integral float or a one-element tensor)
+                built[k] = int(v.item() if isinstance(v, torch.Tensor) else v)
+            elif isinstance(v, torch.Tensor):
                 t = _owned(v.detach(), view.param.device)
                 if k in ROW_FIELDS or k == DIGEST_ROWS:
                     gshape = (view.rows, *t.shape[1:]) if k != "codes" else tuple(view.shape)

@@ -14,6 +14,10 @@ import torch
 SCHEMA_VERSION = 2
 
 
+#: The parameter dtypes the extension steps (csrc/python/tensor_view.c).
+SUPPORTED_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+
 def rows_cols(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """Return ``(R, S)`` of a parameter shape: rows and elements per dim-0 slice."""
     if len(shape) == 0:
@@ -38,6 +42,11 @@ def check_param(p: torch.Tensor, name: str) -> None:
         raise ValueError(f"parameter '{name}': complex parameters are not supported")
     if not p.is_floating_point():
         raise ValueError(f"parameter '{name}': dtype {p.dtype} is not a floating-point dtype")
+    if p.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"parameter '{name}': dtype {p.dtype} is not supported (gefen steps float32, "
+            "bfloat16, float16 and float64 parameters)"
+        )
 
 
 def check_grad(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
@@ -64,6 +73,17 @@ def check_grad(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
     if g.device != p.device:
         raise ValueError(
             f"parameter '{name}': gradient is on {g.device} but the parameter is on {p.device}"
+        )
+
+
+def check_no_self_overlap(p: torch.Tensor, name: str) -> None:
+    """Reject a parameter (local shard) whose elements share memory, e.g. one made by
+    ``expand()``: the update could not write it (before anything is mutated)."""
+    if torch._debug_has_internal_overlap(p) == 1:  # MemOverlap::Yes (2: too hard to tell)
+        raise ValueError(
+            f"parameter '{name}': several of its elements share one memory location (e.g. a "
+            f"tensor made by expand(); strides {tuple(p.stride())}); an optimizer cannot "
+            "update it: give the parameter its own storage (e.g. p.data = p.data.clone())"
         )
 
 

@@ -19,16 +19,27 @@ class StateError(ValueError):
     """A loaded state entry is invalid; the message names the parameter."""
 
 
+#: The largest step counter a checkpoint may hold: the extension takes the step as an
+#: int64 and adds one.
+MAX_STEP = 2**63 - 2
+
+
 def as_int(st: dict, key: str, name: str) -> int:
-    """An integer state entry (a Python int or a one-element integer/float tensor)."""
+    """An integer state entry (a Python int, an integral float, or a one-element
+    integer/float tensor, as torch.optim checkpoints store ``step``), exactly: an int is
+    never rounded through a float."""
     v = st[key]
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
+        if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool or v.is_meta:
             raise StateError(f"parameter '{name}': state '{key}' must be a single integer")
         v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) != int(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise StateError(f"parameter '{name}': state '{key}' must be an integer, got {v!r}")
-    return int(v)
+    if isinstance(v, float):
+        if not v.is_integer():  # (False for NaN and +-inf)
+            raise StateError(f"parameter '{name}': state '{key}' must be an integer, got {v!r}")
+        v = int(v)
+    return int(v)  # (an int subclass, e.g. numpy's, becomes a plain int)
 
 
 def check_tensor(
@@ -39,23 +50,30 @@ def check_tensor(
     shape: tuple[int, ...],
     moment: bool = False,
 ) -> torch.Tensor:
-    """A state tensor of the given dtype and (global) shape; ``moment`` also requires
-    finite non-negative values (checked on this rank's part of a DTensor)."""
+    """A state tensor of the given dtype and (global) shape; ``moment`` also rejects
+    negative values, which the optimizer never makes (checked on this rank's part of a
+    DTensor). NaN and +inf are accepted: a step with a non-finite gradient writes them
+    (as torch.optim does, steps accept such gradients), and the optimizer's own state dict
+    must load back; the digests still catch any value changed after the save."""
     v = st.get(key)
     if not isinstance(v, torch.Tensor):
         raise StateError(f"parameter '{name}': state '{key}' must be a tensor, got {type(v).__name__}")
+    lv = local(v)
+    if v.layout != torch.strided or lv.layout != torch.strided:
+        raise StateError(
+            f"parameter '{name}': state '{key}' must be a dense (strided) tensor, got layout "
+            f"{lv.layout if v.layout == torch.strided else v.layout}"
+        )
+    if lv.is_meta:
+        raise StateError(f"parameter '{name}': state '{key}' is on the meta device (it holds no data)")
     if v.dtype != dtype:
         raise StateError(f"parameter '{name}': state '{key}' has dtype {v.dtype}, expected {dtype}")
     if tuple(v.shape) != tuple(shape):
         raise StateError(
             f"parameter '{name}': state '{key}' has shape {tuple(v.shape)}, expected {tuple(shape)}"
         )
-    lv = local(v)
-    if moment and lv.numel():
-        if not bool(torch.isfinite(lv).all()):
-            raise StateError(f"parameter '{name}': state '{key}' holds non-finite values")
-        if bool((lv < 0).any()):
-            raise StateError(f"parameter '{name}': state '{key}' holds negative values")
+    if moment and lv.numel() and bool((lv < 0).any()):  # (NaN < 0 is False; -inf < 0)
+        raise StateError(f"parameter '{name}': state '{key}' holds negative values")
     return v
 
 
@@ -89,6 +107,12 @@ def check_common_state(st: dict, p: torch.Tensor, name: str) -> int:
             raise StateError(f"parameter '{name}': state is missing '{key}'")
     step = as_int(st, "step", name)
     global_step = as_int(st, "global_step", name)
+    for key, value in (("step", step), ("global_step", global_step)):
+        if value > MAX_STEP:
+            raise StateError(
+                f"parameter '{name}': state '{key}' {value} is out of range (at most "
+                f"2**63 - 2 = {MAX_STEP})"
+            )
     if step < 0 or global_step < step:
         raise StateError(
             f"parameter '{name}': step {step} and global_step {global_step} are inconsistent"

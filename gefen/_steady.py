@@ -7,8 +7,10 @@ the hyper-parameters changes from one step to the next -- the usual case after t
 steps -- the plans of the last step can run again. :class:`SteadyStep` keeps them and,
 before each step, checks cheaply that they still describe the optimizer: the same
 parameter objects in the same groups, the same parameters with gradients (of the
-parameter's placements, for a DTensor), the same state dicts, the same codebook, no
-refresh due, a non-zero learning rate, every group's hyper-parameters valid. The
+parameter's placements, for a DTensor), the same state dicts holding the same objects
+(tensors, period and form: an entry the user replaced is validated by the full path),
+the same codebook, no refresh due, a non-zero learning rate, every group's
+hyper-parameters valid. The
 extension then re-reads each parameter and gradient (``AdamStep.rebind``) and takes them
 only if they match what it parsed (the parameter at the same address, the same dtype,
 shape and device, both contiguous). Whatever differs -- or any check that raises -- sends
@@ -31,7 +33,8 @@ too when ``gefen.gefen._KEEP_CUDA_PLANS`` is set (off until a GPU run has checke
 from __future__ import annotations
 
 import dataclasses
-from itertools import compress
+from itertools import chain, compress
+from operator import is_, itemgetter
 
 import torch
 
@@ -42,6 +45,18 @@ from ._views import laid_out_as
 #: Gradient types the extension reads directly (a subclass, e.g. a DTensor for a plain
 #: parameter, takes the full path, which unwraps or rejects it).
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+#: The state entries a kept plan was built from (besides ``step``, read every step): a
+#: parameter's entries must be the very objects they were, else the step takes the full
+#: path (which validates whatever replaced them).
+_GETTERS = (itemgetter("period", "factored", "codes", "magnitude", "vmean"),
+            itemgetter("period", "factored", "codes", "magnitude", "v_row", "v_col"))
+
+
+def _entries(get, states) -> chain:
+    """The entries ``get`` reads of each state, flat (KeyError for a missing one)."""
+    return chain.from_iterable(map(get, states))
+
 
 #: The item fields :func:`group_hyper` gives, in its order.
 HYPER_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "stochastic_round")
@@ -68,7 +83,13 @@ class SteadyStep:
         self.present = [p.grad is not None for p in self.all_params]
         self.stepped = [id(p) in stepped for p in self.all_params]
         self.states = [opt.state[k] for k in self.keys]
-        self.state_ids = list(map(id, self.states))
+        # what the plans read of each state (its tensors, period and form), compared by
+        # identity: (getter, the states of that form, their entries now)
+        self.entries = []
+        for get in _GETTERS:
+            states = [st for st in self.states if _GETTERS[bool(st["factored"])] is get]
+            if states:
+                self.entries.append((get, states, list(_entries(get, states))))
         index = {id(g): gi for gi, g in enumerate(groups)}
         self.item_group = [index[id(v.group)] for v in views]
         self.quantizer = plan.quantizer
@@ -149,8 +170,11 @@ class SteadyStep:
             if not set(map(type, grads)) <= _PLAIN:
                 return False, ""
             params = self.keys
-        if list(map(id, map(opt.state.get, self.keys))) != self.state_ids:
+        if not all(map(is_, map(opt.state.get, self.keys), self.states)):
             return False, ""
+        for get, states, entries in self.entries:  # an entry replaced: the full path checks it
+            if not all(map(is_, _entries(get, states), entries)):
+                return False, ""
         lrs = opt._read_lrs()
         if not any(lr != 0.0 for lr in lrs.values()):  # the zero-lr step of ALGORITHM.md §5
             return False, ""

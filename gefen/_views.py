@@ -12,11 +12,12 @@ from the view, never from the local tensor.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ._layout import rows_cols
+from ._layout import param_name, rows_cols
 
 try:  # torch.distributed is optional (some builds have none)
     import torch.distributed as dist
@@ -250,3 +251,66 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= d
     return tuple(reversed(stride))
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int, bool]:
+    """``(begin, end, dense)``: the addresses a tensor can touch, ``[begin, end)``, and
+    whether it touches every byte of them (strides are never negative in torch)."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    size = t.element_size()
+    begin = t.data_ptr()
+    return begin, begin + (extent + 1) * size, extent + 1 == t.numel()
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor, a0: int, b0: int) -> bool:
+    """Whether two non-empty tensors whose spans intersect have a byte in common: their
+    elements marked on a boolean map of the addresses they span (no data is read). The
+    map has one entry per ``unit`` bytes, the largest unit that aligns both."""
+    na, nb = a.element_size(), b.element_size()
+    unit = math.gcd(na, nb, abs(a0 - b0))
+    lo = min(a0, b0)
+    hi = max(_byte_span(a)[1], _byte_span(b)[1])
+    seen = torch.zeros((hi - lo) // unit, dtype=torch.bool)
+
+    def cells(t: torch.Tensor, begin: int, n: int) -> torch.Tensor:
+        k = n // unit
+        return seen.as_strided(
+            (*t.shape, k), (*(s * k for s in t.stride()), 1), (begin - lo) // unit
+        )
+
+    cells(a, a0, na).fill_(True)
+    return bool(cells(b, b0, nb).any())
+
+
+def check_disjoint(views: Sequence[ParamView]) -> None:
+    """ValueError naming both parameters when a parameter is listed twice or two
+    parameters' local tensors share memory. Address intervals are compared first (sorted,
+    so ordinary models cost O(n log n)); two intervals that intersect are an overlap when
+    both tensors are dense, otherwise their elements are compared exactly."""
+    seen: dict[int, ParamView] = {}
+    for v in views:
+        first = seen.setdefault(id(v.key), v)
+        if first is not v:  # (a cached layout names both by the first listing)
+            raise ValueError(
+                f"parameters '{param_name(first.group, first.group_index, first.index)}' and "
+                f"'{param_name(v.group, v.group_index, v.index)}' are the same tensor: a "
+                "parameter must be listed once"
+            )
+    spans = sorted(
+        ((str(v.param.device), *_byte_span(v.param), i) for i, v in enumerate(views) if v.param.numel()),
+        key=lambda s: (s[0], s[1]),
+    )
+    active: list[tuple] = []  # earlier spans of the same device that may reach further
+    for span in spans:
+        device, begin, _, dense, i = span
+        active = [s for s in active if s[0] == device and s[2] > begin]
+        for other in active:
+            j = other[4]
+            a, b = views[j].param, views[i].param
+            if (dense and other[3]) or _share_memory(a, b, other[1], begin):
+                first, second = sorted((i, j))
+                raise ValueError(
+                    f"parameters '{views[first].name}' and '{views[second].name}' overlap in "
+                    "memory; each parameter must own its storage"
+                )
+        active.append(span)

@@ -67,6 +67,12 @@ def check_adam_hparams(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def check_bool(value, what: str) -> None:
+    """An on/off option must be a bool (a string such as ``"no"`` is not coerced)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {value!r}")
+
+
 class Gefen(_QuantizedOptimizer):
     r"""AdamW with about one byte of optimizer state per parameter.
 
@@ -127,6 +133,11 @@ class Gefen(_QuantizedOptimizer):
         check_adam_hparams(lr, betas, eps, weight_decay)
         if period not in ("auto", "row"):
             raise ValueError(f"period must be 'auto' or 'row', got {period!r}")
+        for what, value in (("factored", factored), ("stochastic_round", stochastic_round),
+                            ("deterministic", deterministic)):
+            check_bool(value, what)
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be None or a bool, got {fused!r}")
         if fused is False:
             raise ValueError("gefen's update is always fused; fused=False is not available")
         self.deterministic = bool(deterministic)
@@ -145,6 +156,8 @@ class Gefen(_QuantizedOptimizer):
         check_adam_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         if group["period"] not in ("auto", "row"):
             raise ValueError(f"period must be 'auto' or 'row', got {group['period']!r}")
+        check_bool(group["factored"], "factored")
+        check_bool(group["stochastic_round"], "stochastic_round")
 
     def _period_mode(self, group: dict) -> str:
         return group["period"]

@@ -14,6 +14,7 @@ update of the local rows.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -235,6 +236,57 @@ def check_muon_hparams(group: dict) -> None:
         )
 
 
+def _check_live_shape(v: ParamView) -> None:
+    """The parameter as it is now: still a 2-D matrix, of the shape its layout was
+    computed for (a parameter's ``.data`` can be replaced between steps)."""
+    live = tuple(v.key.shape)
+    if len(live) != 2 or v.param.dim() != 2:
+        raise ValueError(
+            f"parameter '{v.name}': GefenMuon only supports 2-D parameters, got shape {live}"
+        )
+    if live != tuple(v.shape) or v.param.shape[1] != v.cols:
+        raise ValueError(
+            f"parameter '{v.name}': its shape changed from {tuple(v.shape)} to {live} after the "
+            "optimizer first saw it; a parameter must keep its shape (build a new optimizer)"
+        )
+
+
+def _check_step_state(v: ParamView, st: dict) -> None:
+    """The entries of a parameter's state that the step reads or writes, checked cheaply
+    (types, dtypes, shapes; no values): a bad entry must fail before the first write."""
+    name = v.name
+    step = st.get("step")
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise StateError(f"parameter '{name}': state 'step' must be an int >= 0, got {step!r}")
+    period = st.get("period")
+    if (
+        isinstance(period, bool) or not isinstance(period, numbers.Integral)
+        or not 1 <= period <= max(v.cols, 1) or v.cols % period
+    ):
+        raise StateError(
+            f"parameter '{name}': state 'period' must be an int dividing {v.cols} columns, "
+            f"got {period!r}"
+        )
+    device = v.param.device
+    _check_state_tensor(st, "codes", name, torch.uint8, (v.local_rows, v.cols), device)
+    _check_state_tensor(st, "magnitude", name, torch.float32, (v.local_rows, v.cols // int(period)), device)
+    if "v" in st:
+        _check_state_tensor(st, "v", name, torch.float32, (v.local_rows,), device)
+
+
+def _check_state_tensor(st: dict, key: str, name: str, dtype: torch.dtype, shape: tuple,
+                        device: torch.device) -> None:
+    t = st.get(key)
+    if not isinstance(t, torch.Tensor):
+        raise StateError(f"parameter '{name}': state '{key}' must be a tensor, got {type(t).__name__}")
+    t = local(t)
+    if t.dtype != dtype or t.shape != shape or t.device != device:
+        raise StateError(
+            f"parameter '{name}': state '{key}' is {t.dtype} {tuple(t.shape)} on {t.device}, "
+            f"expected {dtype} {shape} on {device}"
+        )
+
+
 def _as_tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
@@ -376,15 +428,21 @@ class GefenMuon(_QuantizedOptimizer):
     # ------------------------------------------------------------ step
 
     def _check_step_inputs(self, views: list[ParamView]) -> None:
+        """Every check of the stepped matrices that must pass before anything is mutated:
+        the parameter's *live* shape (the cached layout may predate a reshape) and the
+        state entries the step reads or writes (that no two parameters share memory is the
+        base's check)."""
         for v in views:
-            if len(v.shape) != 2:
-                raise ValueError(f"parameter '{v.name}': GefenMuon only supports 2-D parameters")
+            _check_live_shape(v)
             st = self.state.get(v.key)
-            if st and bool(v.group["normuon"]) != ("v" in st):
-                raise ValueError(
-                    f"parameter '{v.name}': the group's normuon={v.group['normuon']} does not "
-                    "match the parameter's state (normuon cannot be switched after the first step)"
-                )
+            if st:
+                if bool(v.group["normuon"]) != ("v" in st):
+                    raise ValueError(
+                        f"parameter '{v.name}': the group's normuon={v.group['normuon']} does not "
+                        "match the parameter's state (normuon cannot be switched after the first "
+                        "step)"
+                    )
+                _check_step_state(v, st)
 
     @staticmethod
     def _chunks(views: list[ParamView]):

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from bitsnap import assert_same_bits as _same_bits
+from bitsnap import bits as _bits
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -509,7 +511,9 @@ def _corruptions():
     yield "shape", lambda sd: first(sd).update(v_row=torch.zeros(7)), "'0.weight'.*v_row.*shape"
     yield "dtype", lambda sd: first(sd).update(codes=first(sd)["codes"].long()), "'0.weight'.*codes.*dtype"
     yield "negative", lambda sd: first(sd)["v_col"].__setitem__(0, -1.0), "'0.weight'.*negative"
-    yield "nan", lambda sd: first(sd)["magnitude"].__setitem__(0, float("nan")), "'0.weight'.*non-finite"
+    yield "-inf", lambda sd: first(sd)["magnitude"].__setitem__(0, float("-inf")), "'0.weight'.*negative"
+    # NaN is a value a step can write (a non-finite gradient): only its digest gives it away
+    yield "nan", lambda sd: first(sd)["magnitude"].__setitem__(0, float("nan")), "'0.weight'.*digest"
     yield "period", lambda sd: first(sd).update(period=5), "'0.weight'.*period 5"
     yield "step", lambda sd: first(sd).update(step=-1), "'0.weight'.*step"
     yield "factored", lambda sd: first(sd).update(factored=0), "'0.weight'.*missing \\['vmean'\\]"
@@ -790,3 +794,166 @@ def test_state_dict_hooks_follow_torch_optim(make):
     loaded = opt.state_dict()
     loaded.pop("marked")
     _assert_same_state(loaded, wanted)
+
+
+# ----------------------------------------------------------------- audit: robustness
+
+
+
+
+def _stepped(cls=None, shape=(4, 8), steps=1, **opts):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(*shape))
+    opt = (cls or gefen.Gefen)([("w", w)], lr=1e-2, **opts)
+    for _ in range(steps):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    return opt, w
+
+
+@pytest.mark.parametrize("kind, opts, value", [
+    ("gefen", {}, float("nan")), ("gefen", {"factored": False}, float("inf")),
+    ("gefen", {"factored": False}, float("nan")), ("muon", {}, float("inf")),
+])
+def test_state_after_a_non_finite_gradient_loads_back(kind, opts, value):
+    """A step accepts a NaN/inf gradient (as torch.optim does) and writes non-finite
+    moments: the optimizer's own state dict must still load, bit for bit."""
+    cls, shape = (gefen.Gefen, (4, 8)) if kind == "gefen" else (gefen.GefenMuon, (8, 16))
+    opt, w = _stepped(cls, shape, **opts)
+    w.grad = torch.randn_like(w)
+    w.grad[0, 0] = value
+    opt.step()
+    sd = opt.state_dict()
+    floats = [v for v in sd["state"][0].values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert not all(bool(torch.isfinite(v).all()) for v in floats)  # the case in point
+    opt2, _ = _stepped(cls, shape, steps=0, **opts)
+    opt2.load_state_dict(sd)
+    _same_bits(_bits(opt2.state_dict()), _bits(sd))
+
+
+def _load_rejected(opt, w, sd, exc_type, match):
+    """``load_state_dict(sd)`` raises ``exc_type`` matching ``match``; nothing changes."""
+    before = _bits([[w], opt.state_dict()])
+    with pytest.raises(exc_type, match=match):
+        opt.load_state_dict(sd)
+    _same_bits(_bits([[w], opt.state_dict()]), before)
+
+
+@pytest.mark.parametrize("value", [2**53 + 1, 2**63 - 2, 5.0, torch.tensor(7.0), torch.tensor(2**62)])
+def test_step_counters_load_exactly_up_to_int64(value):
+    opt, w = _stepped()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = sd["state"][0]["global_step"] = value
+    opt2, w2 = _stepped()
+    opt2.load_state_dict(sd)
+    want = int(value)
+    assert opt2.state[w2]["step"] == want and opt2._global_step == want
+    w2.grad = torch.randn_like(w2)
+    opt2.step()  # the extension takes the counter
+    assert opt2.state[w2]["step"] == want + 1
+
+
+@pytest.mark.parametrize("value, match", [
+    (2**63 - 1, "'step' 9223372036854775807 is out of range"), (2**63, "'step' .* out of range"),
+    (2**70, "'step' .* out of range"), (float("nan"), "'step' must be an integer, got nan"),
+    (float("inf"), "'step' must be an integer, got inf"), (2.5, "'step' must be an integer"),
+])
+def test_bad_step_counters_are_rejected_naming_the_parameter(value, match):
+    opt, w = _stepped()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = sd["state"][0]["global_step"] = value
+    _load_rejected(opt, w, sd, ValueError, "parameter 'w': state " + match)
+
+
+def _bad_loads():
+    def codes(make):
+        return lambda sd: sd["state"][0].update(codes=make(sd["state"][0]["codes"]))
+
+    yield "sparse", codes(lambda c: c.to_sparse()), "parameter 'w': state 'codes' must be a dense"
+    yield "meta", codes(lambda c: torch.empty_like(c, device="meta")), "parameter 'w': state 'codes' is on the meta"
+    for key in ("lr", "betas", "eps"):
+        yield f"no {key}", (lambda k: lambda sd: sd["param_groups"][0].pop(k))(key), \
+            f"parameter group 0: the saved group has no '{key}'"
+
+
+@pytest.mark.parametrize("name, corrupt, match", list(_bad_loads()), ids=[c[0] for c in _bad_loads()])
+def test_unclear_load_errors_name_the_parameter_or_group(name, corrupt, match):
+    opt, w = _stepped()
+    sd = copy.deepcopy(opt.state_dict())
+    corrupt(sd)
+    _load_rejected(opt, w, sd, ValueError, match)
+
+
+@pytest.mark.parametrize("dtype", [d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")) if d is not None])
+def test_unsupported_float_dtype_is_rejected_at_construction(dtype):
+    p = torch.nn.Parameter(torch.randn(4, 8).to(dtype), requires_grad=False)
+    with pytest.raises(ValueError, match=f"parameter 'w': dtype {dtype} is not supported"):
+        gefen.Gefen([("w", p)], lr=1e-2)
+    opt = gefen.Gefen([("v", torch.nn.Parameter(torch.randn(4, 8)))], lr=1e-2)
+    with pytest.raises(ValueError, match="parameter 'w'"):
+        opt.add_param_group({"params": [p], "param_names": ["w"]})
+    assert len(opt.param_groups) == 1
+
+
+def test_state_dict_of_a_resized_parameter_names_it():
+    opt, w = _stepped()
+    w.data = torch.randn(8, 8)
+    before = _bits([w.detach(), dict(opt.state[w])])
+    with pytest.raises(RuntimeError, match=r"parameter 'w': has shape \(8, 8\).*\(4, 8\)"):
+        opt.state_dict()
+    _same_bits(_bits([w.detach(), dict(opt.state[w])]), before)
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_parameter_listed_twice_is_named_by_each_entry():
+    r = torch.nn.Parameter(torch.randn(4, 8))
+    opt = gefen.Gefen([("a", r), ("b", r)], lr=1e-2)
+    r.grad = torch.randn(4, 8)
+    before = _bits([r.detach(), opt.state_dict()])
+    for _ in range(2):
+        with pytest.raises(ValueError, match="parameters 'a' and 'b' are the same tensor"):
+            opt.step()
+    _same_bits(_bits([r.detach(), opt.state_dict()]), before)
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("factored", "no", "factored must be a bool"), ("stochastic_round", "no", "stochastic_round must be a bool"),
+    ("deterministic", 1, "deterministic must be a bool"), ("fused", "yes", "fused must be None or a bool"),
+])
+def test_on_off_options_are_not_coerced(option, value, match):
+    with pytest.raises(TypeError, match=match):
+        gefen.Gefen([torch.nn.Parameter(torch.randn(4, 8))], lr=1e-2, **{option: value})
+    if option in ("factored", "stochastic_round"):  # a group's own value too
+        with pytest.raises(TypeError, match=match):
+            gefen.Gefen([{"params": [torch.nn.Parameter(torch.randn(4, 8))], option: value}], lr=1e-2)
+        opt, w = _stepped()
+        opt.param_groups[0][option] = value  # changed between steps: the step refuses
+        w.grad = torch.randn_like(w)
+        before = _bits([w.detach(), opt.state_dict()])
+        with pytest.raises(TypeError, match=match):
+            opt.step()
+        _same_bits(_bits([w.detach(), opt.state_dict()]), before)
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_overlapping_non_contiguous_parameters_are_rejected(trained):
+    """Gefen's C plan checks contiguous parameters for overlap; views that are not
+    contiguous (here two column slices of one matrix sharing columns 4-7) are checked
+    in Python before anything changes (disjoint interleaved views still train:
+    test_step_semantics.py::test_disjoint_views_of_one_storage_are_accepted)."""
+    gen = torch.Generator().manual_seed(31)
+    base = torch.randn(4, 12, generator=gen)
+    a, b = torch.nn.Parameter(base[:, 0:8]), torch.nn.Parameter(base[:, 4:12])
+    c = torch.nn.Parameter(torch.randn(4, 8, generator=gen))
+    opt = gefen.Gefen([("c", c), ("a", a), ("b", b)], lr=1e-2)
+    if trained:  # a and b have no gradient yet: not stepped, not checked
+        c.grad = torch.randn(c.shape, generator=gen)
+        opt.step()
+    before, sd = _bits([c, a, b]), _bits(opt.state_dict())
+    for p in (c, a, b):
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match="'a' and 'b' overlap in memory"):
+        opt.step()
+    _same_bits(_bits([c, a, b]), before)
+    _same_bits(_bits(opt.state_dict()), sd)

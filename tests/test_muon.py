@@ -12,6 +12,8 @@ import math
 import pytest
 import reference_muon as rm
 import torch
+from bitsnap import assert_same_bits as _assert_bits_equal
+from bitsnap import bits as _bits
 
 import gefen
 from gefen import _C
@@ -614,3 +616,101 @@ def test_chunked_momentum_buffer_reuse_gives_identical_results(monkeypatch):
     many_chunks = run()
     for a, b in zip(one_chunk[0] + one_chunk[1], many_chunks[0] + many_chunks[1]):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------- fail before mutation: live inputs
+
+
+
+
+@pytest.mark.parametrize("new_shape", [(8, 2, 8), (16, 8)])
+def test_parameter_reshaped_between_steps_fails_before_mutation(new_shape):
+    gen = torch.Generator().manual_seed(21)
+    a = torch.nn.Parameter(torch.randn(8, 16, generator=gen))
+    c = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+    opt = gefen.GefenMuon([("a", a), ("c", c)], lr=LR, normuon=True)
+    for _ in range(2):
+        for p in (a, c):
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    sd, values = _bits(opt.state_dict()), _bits([a, c])
+    original = a.data
+    a.data = original.reshape(new_shape).clone()
+    for p in (a, c):
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match=r"parameter 'a'.*(2-D|shape changed)"):
+        opt.step()
+    assert torch.equal(a.detach().reshape(8, 16), original)
+    a.data = original
+    _assert_bits_equal(_bits([a, c]), values)
+    _assert_bits_equal(_bits(opt.state_dict()), sd)
+
+
+def _overlap_case(case):
+    base = torch.randn(12, 8, generator=torch.Generator().manual_seed(22))
+    if case == "rows":
+        return torch.nn.Parameter(base[0:8]), torch.nn.Parameter(base[4:12])
+    if case == "columns":  # non-contiguous views whose columns overlap
+        return torch.nn.Parameter(base[:, 0:6]), torch.nn.Parameter(base[:, 2:8])
+    if case == "transposed":
+        return torch.nn.Parameter(base.T), torch.nn.Parameter(base[3:5, 1:4])
+    p = torch.nn.Parameter(base.clone())
+    return p, p  # "twice": the same parameter listed twice
+
+
+@pytest.mark.parametrize("case", ["rows", "columns", "transposed", "twice"])
+@pytest.mark.parametrize("trained", [False, True])
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+def test_overlapping_or_duplicate_parameters_fail_before_mutation(case, trained):
+    gen = torch.Generator().manual_seed(23)
+    c = torch.nn.Parameter(torch.randn(6, 10, generator=gen))
+    a, b = _overlap_case(case)
+    opt = gefen.GefenMuon([("c", c), ("a", a), ("b", b)], lr=LR, weight_decay=0.5)
+    if trained:  # a and b have no gradient yet: not stepped, not checked
+        c.grad = torch.randn(c.shape, generator=gen)
+        opt.step()
+    sd, values = _bits(opt.state_dict()), _bits([c, a, b])
+    snap = _snapshot(opt, [c, a, b])
+    for p in (c, a, b):
+        p.grad = torch.randn(p.shape, generator=gen)
+    match = "'a' and 'b' are the same tensor" if case == "twice" else "'a' and 'b' overlap in memory"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    _assert_bits_equal(_bits([c, a, b]), values)
+    _assert_bits_equal(_bits(opt.state_dict()), sd)
+    _assert_unchanged(opt, [c, a, b], snap)
+
+
+def test_duplicate_parameter_across_groups_is_rejected():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        gefen.GefenMuon([{"params": [p]}, {"params": [p]}])
+
+
+BAD_STEP_STATE = {
+    # name: (corruption of the second parameter's state, the message)
+    "step_str": (lambda st: st.update(step="1"), r"state 'step' must be an int"),
+    "step_float": (lambda st: st.update(step=1.5), r"state 'step' must be an int"),
+    "step_bool": (lambda st: st.update(step=True), r"state 'step' must be an int"),
+    "step_negative": (lambda st: st.update(step=-1), r"state 'step' must be an int >= 0"),
+    "step_missing": (lambda st: st.pop("step"), r"state 'step' must be an int"),
+    "period_str": (lambda st: st.update(period="2"), r"state 'period' must be an int"),
+    "period_not_divisor": (lambda st: st.update(period=4), r"state 'period' must be an int dividing 6"),
+    "codes_dtype": (lambda st: st.update(codes=st["codes"].int()), r"state 'codes' is torch.int32"),
+    "magnitude_missing": (lambda st: st.pop("magnitude"), r"state 'magnitude' must be a tensor"),
+    "v_shape": (lambda st: st.update(v=torch.zeros(3)), r"state 'v' is torch.float32 \(3,\)"),
+    "v_dtype": (lambda st: st.update(v=st["v"].double()), r"state 'v' is torch.float64"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_STEP_STATE))
+def test_bad_live_state_fails_before_mutation(what):
+    corrupt, match = BAD_STEP_STATE[what]
+    opt, params, gen = _trained(normuon=True, steps=1)
+    corrupt(opt.state[params[1]])
+    snap = _snapshot(opt, params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    with pytest.raises(ValueError, match=r"parameter 'param_groups\[0\]\[1\]': " + match):
+        opt.step()
+    _assert_unchanged(opt, params, snap)

@@ -205,12 +205,34 @@ def _overlap(side):
     side.params[3].data = side.params[1].data[:8]
 
 
+def _replace_state(name, key, make, which=0):
+    """An event replacing one state entry of parameter ``which``: the kept plan still
+    holds the old one, so the step must take the full path, which checks the new one."""
+    def event(side):
+        st = side.opt.state[side.params[which]]
+        st[key] = make(st[key])
+    event.__name__ = name
+    return event
+
+
+# valid replacements (the full path updates the new tensors), then invalid ones
+_state_clone = _replace_state("_state_clone", "magnitude", torch.clone)
+_state_block_clone = _replace_state("_state_block_clone", "vmean", torch.clone, which=1)
+_state_factored = _replace_state("_state_factored", "v_col", torch.clone)
+_state_period = _replace_state("_state_period", "period", lambda _: 3)  # 3 does not divide 40
+_state_codes = _replace_state("_state_codes", "codes", lambda c: c[:, :4].clone())
+_state_dtype = _replace_state("_state_dtype", "magnitude", lambda m: m.double())
+
+
 @pytest.mark.parametrize("event, lasting, fast_after", [
     (_swap_storage, False, True), (_half, False, True), (_drop_grad, False, True),
     (_new_group, False, True), (_reload, False, True), (_refresh_now, False, True),
     (_transposed_grad, True, False), (_zero_lr, True, False),
     (_wrong_dtype_grad, True, False), (_wrong_shape_grad, True, False),
     (_sparse_grad, True, False), (_bad_eps, True, False), (_overlap, True, False),
+    (_state_clone, False, True), (_state_block_clone, False, True),
+    (_state_factored, False, True), (_state_period, False, False),
+    (_state_codes, False, False), (_state_dtype, False, False),
 ])
 def test_events_take_the_full_path_with_its_result(runs, event, lasting, fast_after):
     """Each event at step 5 (and, when ``lasting``, again before every later step)

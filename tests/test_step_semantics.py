@@ -3,6 +3,8 @@ tensor learning rate is read once per group per step (not once per parameter).""
 
 import pytest
 import torch
+from bitsnap import assert_same_bits as _same_bits
+from bitsnap import bits as _bits
 
 import gefen
 import gefen.gefen as gefen_module
@@ -88,3 +90,48 @@ def test_tensor_lr_is_read_once_per_group_per_step(make):
     n_params = sum(len(g["params"]) for g in opt.param_groups)
     assert n_params >= 2
     assert _CountingLR.reads == 3 * len(opt.param_groups), _CountingLR.reads
+
+
+# ------------------------------------------------------------------ robustness (audit)
+
+
+
+
+@pytest.mark.parametrize("kind, shape", [("gefen", (4, 8)), ("muon", (8, 16))])
+@pytest.mark.parametrize("steps", [1, 4])  # 4: Gefen has kept its steady plan
+def test_self_overlapping_parameter_is_rejected_before_anything_changes(kind, shape, steps):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(*shape))
+    cls = gefen.Gefen if kind == "gefen" else gefen.GefenMuon
+    opt = cls([("w", w)], lr=1e-2)
+    for _ in range(steps):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    w.data = torch.randn(1, shape[1]).expand(*shape)  # every row is the same memory
+    w.grad = torch.randn(*shape)
+    before = _bits([[w], opt.state_dict()])
+    with pytest.raises(ValueError, match="parameter 'w':.*share one memory location"):
+        opt.step()
+    _same_bits(_bits([[w], opt.state_dict()]), before)
+    w.data = w.data.clone()  # its own storage again: steps
+    opt.step()
+
+
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon])
+def test_disjoint_views_of_one_storage_are_accepted(cls):
+    """Interleaved column views share a storage and their address ranges intersect, but
+    no element: the exact overlap check accepts them, and they train like separate
+    tensors."""
+    base = torch.randn(6, 16, generator=torch.Generator().manual_seed(24))
+    views = [torch.nn.Parameter(base[:, 0::2]), torch.nn.Parameter(base[:, 1::2])]
+    twins = [torch.nn.Parameter(v.detach().clone()) for v in views]
+    opt, twin = cls(views, lr=1e-2), cls(twins, lr=1e-2)
+    gen = torch.Generator().manual_seed(25)
+    for _ in range(2):
+        for p, q in zip(views, twins):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(views, twins):
+        assert torch.equal(p.detach(), q.detach())
