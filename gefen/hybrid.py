@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from itertools import chain
+from numbers import Real
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from . import _checkpoint
 from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
-from ._layout import check_param, check_plain_grads
+from ._layout import check_param, check_plain_grads, param_name
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -413,11 +414,13 @@ class GefenMuonHybrid(Optimizer):
         loaded, error = [], None
         try:
             halves = self._split(state_dict)
+            offset = 0
             for child, half in zip(self._children, halves):
                 if isinstance(child, _QuantizedOptimizer):
                     loaded.append(child._validate_load(half))
                 else:
-                    loaded.append(_loaded_scratch(child, half))
+                    loaded.append(_loaded_scratch(child, half, offset))
+                offset += len(child.param_groups)
         except Exception as exc:
             error = exc
         params = [p for g in self.param_groups for p in g["params"]]
@@ -603,15 +606,21 @@ def _prepare_all(children) -> list:
     """Every check each child's ``step()`` makes before it mutates anything, for all
     children before any applies: a gefen child's prepared (validated, agreed, not yet
     applied) step; for ``torch.optim.AdamW``, the gradient checks (sparse, complex,
-    shape, dtype, device). AdamW's verdict joins the first gefen child's agreement, so
+    shape, dtype, device) and :func:`_check_adamw_step` (its groups' hyper-parameters,
+    the state of every parameter with a gradient, no self-overlapping parameter), all
+    metadata only. AdamW's verdict joins the first gefen child's agreement, so
     under sharding every rank raises together."""
     plain_error = None
+    offset = 0
     for child in children:
         if not isinstance(child, _QuantizedOptimizer):
             try:
                 check_plain_grads(child.param_groups)
+                if isinstance(child, torch.optim.Adam):
+                    _check_adamw_step(child, offset)
             except Exception as exc:
                 plain_error = exc
+        offset += len(child.param_groups)
     plans = []
     for child in children:
         if isinstance(child, _QuantizedOptimizer):
@@ -625,8 +634,13 @@ def _prepare_all(children) -> list:
     return plans
 
 
-def _loaded_scratch(child: Optimizer, half: dict) -> Optimizer:
-    """A shallow copy of ``child`` with ``half`` loaded into it; ``child`` is untouched."""
+def _loaded_scratch(child: Optimizer, half: dict, offset: int = 0) -> Optimizer:
+    """A shallow copy of ``child`` with ``half`` loaded into it; ``child`` is untouched.
+    An AdamW half is checked first (:func:`_check_adamw_half`) and the loaded groups
+    after (``offset``: the index of the child's first group in the hybrid's)."""
+    adam = isinstance(child, torch.optim.Adam)
+    if adam:
+        _check_adamw_half(child, half)
     scratch = object.__new__(type(child))
     scratch.__dict__.update(child.__dict__)
     scratch.param_groups = [dict(g) for g in child.param_groups]
@@ -634,6 +648,8 @@ def _loaded_scratch(child: Optimizer, half: dict) -> Optimizer:
     for name in _LOAD_HOOKS:
         setattr(scratch, name, OrderedDict())
     type(child).load_state_dict(scratch, half)
+    if adam:
+        _check_adamw_groups(scratch, offset)
     return scratch
 
 
@@ -642,3 +658,209 @@ def _adopt(child: Optimizer, scratch: Optimizer) -> None:
     for key, value in scratch.__dict__.items():
         if key not in _LOAD_HOOKS:
             setattr(child, key, value)
+
+
+# ------------------------------------------------------- the AdamW half
+
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moment_keys(group: dict) -> tuple[str, ...]:
+    return _ADAM_MOMENTS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether some elements of ``t`` share memory (an ``expand()``-ed tensor): the
+    case torch's in-place ops refuse (metadata only)."""
+    local = _local(t)
+    return local.layout == torch.strided and torch._debug_has_internal_overlap(local) == 1
+
+
+def _group_label(child: Optimizer, gi: int, offset: int) -> str:
+    group = child.param_groups[gi]
+    names = [param_name(group, gi, i) for i in range(min(3, len(group["params"])))]
+    more = ", ..." if len(group["params"]) > 3 else ""
+    return f"parameter group {offset + gi} ({group.get('role', 'backup')}: " + \
+        ", ".join(f"'{n}'" for n in names) + more + ")"
+
+
+def _scalar(value, what: str, label: str) -> float | None:
+    """A hyper-parameter's value as a float (None for a tensor off the CPU: reading it
+    would wait for the device); TypeError/ValueError naming ``label`` when it is not a
+    real number or a one-element real tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(
+                f"{label}: {what} must be a real number or a one-element real tensor, got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
+            )
+        if value.is_meta or value.device.type != "cpu":
+            return None
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{label}: {what} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _adamw_uses_foreach(group: dict, lr) -> bool:
+    """Whether ``torch.optim.adam`` will run this group's foreach implementation."""
+    if group.get("fused"):
+        return False
+    foreach = group.get("foreach")
+    if foreach is None:  # torch's default: foreach for device tensors, unless lr is a tensor
+        return not isinstance(lr, torch.Tensor) and any(
+            _local(p).device.type not in ("cpu", "meta") for p in group["params"]
+        )
+    return bool(foreach)
+
+
+def _check_adamw_group(child: Optimizer, gi: int, offset: int) -> None:
+    """The hyper-parameters of one AdamW group, as torch's constructor and step need them."""
+    group = child.param_groups[gi]
+    label = _group_label(child, gi, offset)
+    missing = [k for k in child.defaults if k not in group]
+    if missing:
+        raise ValueError(f"{label}: the AdamW group lacks {', '.join(map(repr, missing))}")
+    lr, betas = group["lr"], group["betas"]
+    values = {"lr": _scalar(lr, "lr", label)}
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{label}: betas must be a pair of numbers, got {betas!r}")
+    for i, beta in enumerate(betas):
+        values[f"betas[{i}]"] = _scalar(beta, f"betas[{i}]", label)
+    for key in ("eps", "weight_decay"):
+        values[key] = _scalar(group[key], key, label)
+    for key, v in values.items():
+        if v is None:
+            continue
+        ok = 0.0 <= v < 1.0 if key.startswith("betas") else 0.0 <= v < float("inf")
+        if not ok:
+            rule = "in [0, 1)" if key.startswith("betas") else "finite and >= 0"
+            raise ValueError(f"{label}: invalid {key} {v!r} (must be {rule})")
+    if not group["capturable"] and _adamw_uses_foreach(group, lr):
+        for what, v in (("lr", lr), ("betas[0]", betas[0]), ("betas[1]", betas[1])):
+            if isinstance(v, torch.Tensor):
+                raise ValueError(
+                    f"{label}: {what} as a tensor is not supported with foreach=True and "
+                    "capturable=False"
+                )
+
+
+def _check_adamw_groups(child: Optimizer, offset: int) -> None:
+    for gi in range(len(child.param_groups)):
+        _check_adamw_group(child, gi, offset)
+
+
+def _check_adamw_state(st, p: torch.Tensor, name: str, group: dict) -> None:
+    """Live AdamW state of ``p`` (non-empty): every moment a tensor of the parameter's
+    shape, dtype and device that does not overlap itself, and ``step`` a one-element
+    real tensor. Metadata only."""
+    if not isinstance(st, dict):
+        raise TypeError(f"parameter '{name}': AdamW state must be a dict, got {type(st).__name__}")
+    for key in ("step",) + _moment_keys(group):
+        if key not in st:
+            raise ValueError(f"parameter '{name}': AdamW state lacks '{key}'")
+    step = st["step"]
+    if (not isinstance(step, torch.Tensor) or step.numel() != 1 or step.is_complex()
+            or step.dtype == torch.bool):
+        what = (f"a {step.dtype} tensor of shape {tuple(step.shape)}"
+                if isinstance(step, torch.Tensor) else repr(step))
+        raise TypeError(f"parameter '{name}': AdamW state 'step' must be a one-element real tensor, got {what}")
+    dist = hasattr(p, "_local_tensor")
+    for key in _moment_keys(group):
+        t = st[key]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"parameter '{name}': AdamW state '{key}' must be a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided or hasattr(t, "_local_tensor") != dist:
+            raise TypeError(f"parameter '{name}': AdamW state '{key}' has layout {t.layout} / "
+                            f"{type(t).__name__}, the parameter {p.layout} / {type(p).__name__}")
+        if t.shape != p.shape:
+            raise ValueError(f"parameter '{name}': AdamW state '{key}' has shape {tuple(t.shape)}, "
+                             f"the parameter {tuple(p.shape)}")
+        if t.dtype != p.dtype:
+            raise TypeError(f"parameter '{name}': AdamW state '{key}' has dtype {t.dtype}, "
+                            f"the parameter {p.dtype}")
+        if t.device != p.device:
+            raise ValueError(f"parameter '{name}': AdamW state '{key}' is on {t.device}, "
+                             f"the parameter on {p.device}")
+        if _overlaps_itself(t):
+            raise ValueError(f"parameter '{name}': AdamW state '{key}' has elements that share "
+                             "memory (e.g. an expand()-ed tensor); it cannot be updated in place")
+
+
+def _check_adamw_step(child: Optimizer, offset: int) -> None:
+    """What ``torch.optim.AdamW.step`` would otherwise find only while mutating (after
+    the Muon half was applied): bad group hyper-parameters, state that no longer fits
+    its parameter (a changed dtype or shape), a parameter whose elements share memory.
+    Metadata only: no per-element work and no device reads."""
+    _check_adamw_groups(child, offset)
+    for gi, group in enumerate(child.param_groups):
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            name = param_name(group, gi, i)
+            if _overlaps_itself(p):
+                raise ValueError(
+                    f"parameter '{name}': its elements share memory (e.g. an expand()-ed "
+                    "tensor), so it cannot be updated in place"
+                )
+            st = child.state.get(p)
+            if st:
+                _check_adamw_state(st, p, name, group)
+
+
+def _check_adamw_half(child: Optimizer, half: dict) -> None:
+    """The state of an AdamW half before torch loads it (which casts moments to the
+    parameter's dtype and device, so their saved values are checked here): every entry a
+    dict with ``step`` (a finite number >= 0, or a one-element tensor of one) and the
+    moments its group needs, each a floating-point tensor of the parameter's shape that
+    does not overlap itself, on a real device, the second moments free of negative
+    values. NaN and inf moments are accepted: AdamW itself produces them from a
+    non-finite gradient, and torch's own load accepts them."""
+    where: dict[Any, tuple[torch.Tensor, str, dict]] = {}
+    for gi, (sg, g) in enumerate(zip(half["param_groups"], child.param_groups)):
+        merged = dict(g)
+        merged.update((k, v) for k, v in sg.items() if k != "params")
+        for i, (pid, p) in enumerate(zip(sg["params"], g["params"])):
+            where[pid] = (p, param_name(g, gi, i), merged)
+    for pid, st in half["state"].items():
+        if pid not in where:
+            continue
+        p, name, group = where[pid]
+        if not isinstance(st, dict):
+            raise ValueError(f"parameter '{name}': saved AdamW state must be a dict, got {type(st).__name__}")
+        for key in ("step",) + _moment_keys(group):
+            if key not in st:
+                raise ValueError(f"parameter '{name}': saved AdamW state lacks '{key}'")
+        step = st["step"]
+        value = _scalar(step, "saved AdamW state 'step'", f"parameter '{name}'")
+        if value is None:  # a device tensor: a load may read it
+            value = float(step.item())
+        if not 0.0 <= value < float("inf"):
+            raise ValueError(f"parameter '{name}': saved AdamW state 'step' is {value!r}, "
+                             "must be finite and >= 0")
+        shape = p.shape
+        local_shape = _local(p).shape
+        for key in _moment_keys(group):
+            t = st[key]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"parameter '{name}': saved AdamW state '{key}' must be a tensor, "
+                                f"got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"parameter '{name}': saved AdamW state '{key}' has dtype {t.dtype}, "
+                                "not a floating-point dtype")
+            if t.layout != torch.strided or t.is_meta:
+                raise ValueError(f"parameter '{name}': saved AdamW state '{key}' must be a dense "
+                                 f"tensor with data (layout {t.layout}, device {t.device})")
+            if t.shape != shape and (hasattr(t, "_local_tensor") or t.shape != local_shape):
+                raise ValueError(f"parameter '{name}': saved AdamW state '{key}' has shape "
+                                 f"{tuple(t.shape)}, the parameter {tuple(shape)}")
+            if _overlaps_itself(t):
+                raise ValueError(f"parameter '{name}': saved AdamW state '{key}' has elements "
+                                 "that share memory (e.g. an expand()-ed tensor)")
+            if key != "exp_avg" and bool((_local(t) < 0).any()):
+                raise ValueError(f"parameter '{name}': saved AdamW state '{key}' has negative "
+                                 "values (a second moment is never negative)")

@@ -563,3 +563,119 @@ def test_one_dimensional_parameters_get_no_weight_decay():
             wd[p] = group["weight_decay"]
     assert wd[model["ln1"].weight] == 0.0 and wd[model["proj"].bias] == 0.0
     assert wd[model["proj"].weight] == 0.1 and wd[model["head"].weight] == 0.1
+
+
+# ------------------------------------------------- the AdamW half, checked up front
+
+
+def _bytes(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_bits(a, b):
+    """Bit-identical nested state (tensors by dtype, shape and bytes; NaN equals NaN)."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(_bytes(a), _bytes(b)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+def _snapshot(model, opt):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(model, opt, snap):
+    values, sd = snap
+    assert _same_bits([p.detach() for p in model.parameters()], values)
+    assert _same_bits(opt.state_dict(), sd)
+
+
+def _backup_group(opt):
+    return next(g for g in opt.param_groups if g["role"] == "backup")
+
+
+def _retype(p, value):  # a backup parameter whose data (and gradient) changed since its state
+    p.data = value
+    p.grad = torch.zeros_like(p)
+
+
+ADAMW_STEP_FAILURES = {
+    # corruption of a warmed-up hybrid, expected error, the name the message must hold
+    "dtype": (lambda m, o: _retype(m.norm.bias, m.norm.bias.detach().double()), TypeError, "norm.bias"),
+    "shape": (lambda m, o: _retype(m.conv.bias, torch.zeros(3)), ValueError, "conv.bias"),
+    "self_overlap": (lambda m, o: _retype(m.norm.weight, torch.ones(1).expand(8)), ValueError, "norm.weight"),
+    "betas": (lambda m, o: _backup_group(o).update(betas=(0.9, "x")), TypeError, None),
+    "beta_range": (lambda m, o: _backup_group(o).update(betas=(0.9, 1.5)), ValueError, None),
+    "lr": (lambda m, o: _backup_group(o).update(lr="fast"), TypeError, None),
+    "step_state": (lambda m, o: o.state[m.norm.bias].update(step=3), TypeError, "norm.bias"),
+    "amsgrad_late": (lambda m, o: _backup_group(o).update(amsgrad=True), ValueError, None),
+}
+
+
+@pytest.mark.parametrize("what", list(ADAMW_STEP_FAILURES))
+def test_adamw_step_errors_come_before_either_child_mutates(what):
+    corrupt, error, name = ADAMW_STEP_FAILURES[what]
+    model, opt = _step_after_warmup("adamw")
+    corrupt(model, opt)
+    name = name or _backup_group(opt)["param_names"][0]  # group errors name its parameters
+    snap = _snapshot(model, opt)
+    with pytest.raises(error, match=f"'{name}'"):
+        opt.step()
+    _assert_unchanged(model, opt, snap)
+    assert opt.muon._global_step == 1
+
+
+def _backup_entry(sd):
+    return sd["state"][_first(sd, "backup")]
+
+
+ADAMW_LOAD_FAILURES = {
+    "shape": (lambda sd: _backup_entry(sd).update(exp_avg=torch.zeros(3)), ValueError, "shape"),
+    "negative_v": (lambda sd: _backup_entry(sd).update(exp_avg_sq=-_backup_entry(sd)["exp_avg_sq"] - 1),
+                   ValueError, "negative"),
+    "int_dtype": (lambda sd: _backup_entry(sd).update(exp_avg=_backup_entry(sd)["exp_avg"].to(torch.int32)),
+                  TypeError, "dtype"),
+    "missing_key": (lambda sd: _backup_entry(sd).pop("exp_avg_sq"), ValueError, "lacks 'exp_avg_sq'"),
+    "step_text": (lambda sd: _backup_entry(sd).update(step="abc"), TypeError, "step"),
+    "step_negative": (lambda sd: _backup_entry(sd).update(step=torch.tensor(-2.0)), ValueError, "step"),
+    "self_overlap": (lambda sd: _backup_entry(sd).update(
+        exp_avg=_backup_entry(sd)["exp_avg"].reshape(-1)[:1].expand(_backup_entry(sd)["exp_avg"].shape)),
+        ValueError, "share memory"),
+    "group_betas": (lambda sd: next(g for g in sd["param_groups"] if g["role"] == "backup").update(betas="ab"),
+                    TypeError, "betas"),
+}
+
+
+@pytest.mark.parametrize("what", list(ADAMW_LOAD_FAILURES))
+def test_corrupt_adamw_half_is_rejected_on_load(what):
+    corrupt, error, match = ADAMW_LOAD_FAILURES[what]
+    a = _model()
+    opt_a = gefen.GefenMuonHybrid(a, lr=LR, backup_optimizer="adamw")
+    _train(a, opt_a, torch.Generator().manual_seed(0), 1)
+    sd = opt_a.state_dict()
+    names = [n for g in opt_a.param_groups for n in g["param_names"]]
+    name = names[_first(sd, "backup")]
+    b = _model(1)
+    opt_b = gefen.GefenMuonHybrid(b, lr=LR, backup_optimizer="adamw")
+    _train(b, opt_b, torch.Generator().manual_seed(1), 2)
+    snap = _snapshot(b, opt_b)
+    with pytest.raises(error, match=match) as info:
+        opt_b.load_state_dict(_bad(sd, corrupt))
+    assert f"'{name}'" in str(info.value)
+    _assert_unchanged(b, opt_b, snap)
+
+
+def test_non_finite_adamw_moments_load_as_torch_does():
+    # AdamW itself turns a NaN gradient into NaN moments, and torch's own load accepts them
+    a = _model()
+    opt_a = gefen.GefenMuonHybrid(a, lr=LR, backup_optimizer="adamw")
+    _train(a, opt_a, torch.Generator().manual_seed(0), 1)
+    sd = _bad(opt_a.state_dict(), lambda sd: _backup_entry(sd)["exp_avg"].fill_(float("nan")))
+    b = _model(1)
+    opt_b = gefen.GefenMuonHybrid(b, lr=LR, backup_optimizer="adamw")
+    opt_b.load_state_dict(sd)
+    assert _same_bits(opt_b.state_dict()["state"], sd["state"])
