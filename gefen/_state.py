@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ._ext import _C
@@ -25,7 +27,7 @@ MAX_STEP = 2**63 - 2
 
 
 def as_int(st: dict, key: str, name: str) -> int:
-    """An integer state entry (a Python int, an integral float, or a one-element
+    """An integer state entry (a Python or numpy int, an integral float, or a one-element
     integer/float tensor, as torch.optim checkpoints store ``step``), exactly: an int is
     never rounded through a float."""
     v = st[key]
@@ -33,13 +35,14 @@ def as_int(st: dict, key: str, name: str) -> int:
         if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool or v.is_meta:
             raise StateError(f"parameter '{name}': state '{key}' must be a single integer")
         v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise StateError(f"parameter '{name}': state '{key}' must be an integer, got {v!r}")
-    if isinstance(v, float):
-        if not v.is_integer():  # (False for NaN and +-inf)
+    if not isinstance(v, numbers.Integral):  # a float (Python's or numpy's)
+        f = float(v)
+        if not f.is_integer():  # (False for NaN and +-inf)
             raise StateError(f"parameter '{name}': state '{key}' must be an integer, got {v!r}")
-        v = int(v)
-    return int(v)  # (an int subclass, e.g. numpy's, becomes a plain int)
+        v = f
+    return int(v)  # (numpy's integers become a plain int, exactly)
 
 
 def check_tensor(

@@ -4,6 +4,7 @@ factored second moment â€” about one byte of state per parameter (ALGORITHM.md Â
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -68,9 +69,13 @@ def check_adam_hparams(lr, betas, eps, weight_decay) -> None:
 
 
 def check_bool(value, what: str) -> None:
-    """An on/off option must be a bool (a string such as ``"no"`` is not coerced)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{what} must be a bool, got {value!r}")
+    """An on/off option must be a bool: Python's or numpy's, or the int 0 or 1 (as
+    GefenMuon's options); anything else (a string such as ``"no"``) is not coerced."""
+    if isinstance(value, numbers.Integral) and value in (0, 1):  # (bool included)
+        return
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and isinstance(value.item(), bool):
+        return
+    raise TypeError(f"{what} must be a bool, got {value!r}")
 
 
 class Gefen(_QuantizedOptimizer):

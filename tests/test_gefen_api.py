@@ -4,6 +4,7 @@ GradScaler, checkpoints (bitwise continuation, fail-before-mutation loads) and b
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from bitsnap import assert_same_bits as _same_bits
@@ -839,7 +840,8 @@ def _load_rejected(opt, w, sd, exc_type, match):
     _same_bits(_bits([[w], opt.state_dict()]), before)
 
 
-@pytest.mark.parametrize("value", [2**53 + 1, 2**63 - 2, 5.0, torch.tensor(7.0), torch.tensor(2**62)])
+@pytest.mark.parametrize("value", [2**53 + 1, 2**63 - 2, 5.0, torch.tensor(7.0), torch.tensor(2**62),
+                                   np.int64(2**62 + 1), np.float32(3.0)])
 def test_step_counters_load_exactly_up_to_int64(value):
     opt, w = _stepped()
     sd = copy.deepcopy(opt.state_dict())
@@ -919,9 +921,11 @@ def test_parameter_listed_twice_is_named_by_each_entry():
 
 @pytest.mark.parametrize("option, value, match", [
     ("factored", "no", "factored must be a bool"), ("stochastic_round", "no", "stochastic_round must be a bool"),
-    ("deterministic", 1, "deterministic must be a bool"), ("fused", "yes", "fused must be None or a bool"),
+    ("deterministic", 2, "deterministic must be a bool"), ("fused", "yes", "fused must be None or a bool"),
 ])
 def test_on_off_options_are_not_coerced(option, value, match):
+    """Strings and other ints are refused (bools, numpy bools and 0/1 are taken:
+    test_on_off_options_take_bools_and_zero_one)."""
     with pytest.raises(TypeError, match=match):
         gefen.Gefen([torch.nn.Parameter(torch.randn(4, 8))], lr=1e-2, **{option: value})
     if option in ("factored", "stochastic_round"):  # a group's own value too
@@ -957,3 +961,12 @@ def test_overlapping_non_contiguous_parameters_are_rejected(trained):
         opt.step()
     _same_bits(_bits([c, a, b]), before)
     _same_bits(_bits(opt.state_dict()), sd)
+
+
+@pytest.mark.parametrize("value", [True, 0, 1, np.bool_(True), np.bool_(False)])
+def test_on_off_options_take_bools_and_zero_one(value):
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    opt = gefen.Gefen([w], lr=1e-2, factored=value, stochastic_round=value, deterministic=value)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    assert opt.state[w]["step"] == 1
