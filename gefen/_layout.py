@@ -76,10 +76,16 @@ def check_grad(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
         )
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether some elements of a (local, strided) tensor share memory, e.g. one made by
+    ``expand()``: what torch's in-place ops refuse (metadata only)."""
+    return t.layout == torch.strided and torch._debug_has_internal_overlap(t) == 1  # (2: too hard to tell)
+
+
 def check_no_self_overlap(p: torch.Tensor, name: str) -> None:
     """Reject a parameter (local shard) whose elements share memory, e.g. one made by
     ``expand()``: the update could not write it (before anything is mutated)."""
-    if torch._debug_has_internal_overlap(p) == 1:  # MemOverlap::Yes (2: too hard to tell)
+    if overlaps_itself(p):
         raise ValueError(
             f"parameter '{name}': several of its elements share one memory location (e.g. a "
             f"tensor made by expand(); strides {tuple(p.stride())}); an optimizer cannot "

@@ -25,7 +25,8 @@ from . import _checkpoint
 from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
-from ._layout import check_param, check_plain_grads, param_name
+from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
+from ._views import local
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -669,15 +670,9 @@ def _moment_keys(group: dict) -> tuple[str, ...]:
     return _ADAM_MOMENTS + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether some elements of ``t`` share memory (an ``expand()``-ed tensor): the
-    case torch's in-place ops refuse (metadata only)."""
-    local = _local(t)
-    return local.layout == torch.strided and torch._debug_has_internal_overlap(local) == 1
+    """:func:`overlaps_itself` of ``t``'s local shard."""
+    return overlaps_itself(local(t))
 
 
 def _group_label(child: Optimizer, gi: int, offset: int) -> str:
@@ -713,7 +708,7 @@ def _adamw_uses_foreach(group: dict, lr) -> bool:
     foreach = group.get("foreach")
     if foreach is None:  # torch's default: foreach for device tensors, unless lr is a tensor
         return not isinstance(lr, torch.Tensor) and any(
-            _local(p).device.type not in ("cpu", "meta") for p in group["params"]
+            local(p).device.type not in ("cpu", "meta") for p in group["params"]
         )
     return bool(foreach)
 
@@ -802,11 +797,7 @@ def _check_adamw_step(child: Optimizer, offset: int) -> None:
             if p.grad is None:
                 continue
             name = param_name(group, gi, i)
-            if _overlaps_itself(p):
-                raise ValueError(
-                    f"parameter '{name}': its elements share memory (e.g. an expand()-ed "
-                    "tensor), so it cannot be updated in place"
-                )
+            check_no_self_overlap(local(p), name)  # (as the gefen children's step)
             st = child.state.get(p)
             if st:
                 _check_adamw_state(st, p, name, group)
@@ -843,7 +834,7 @@ def _check_adamw_half(child: Optimizer, half: dict) -> None:
             raise ValueError(f"parameter '{name}': saved AdamW state 'step' is {value!r}, "
                              "must be finite and >= 0")
         shape = p.shape
-        local_shape = _local(p).shape
+        local_shape = local(p).shape
         for key in _moment_keys(group):
             t = st[key]
             if not isinstance(t, torch.Tensor):
@@ -861,6 +852,6 @@ def _check_adamw_half(child: Optimizer, half: dict) -> None:
             if _overlaps_itself(t):
                 raise ValueError(f"parameter '{name}': saved AdamW state '{key}' has elements "
                                  "that share memory (e.g. an expand()-ed tensor)")
-            if key != "exp_avg" and bool((_local(t) < 0).any()):
+            if key != "exp_avg" and bool((local(t) < 0).any()):
                 raise ValueError(f"parameter '{name}': saved AdamW state '{key}' has negative "
                                  "values (a second moment is never negative)")
