@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._layout import param_name, rows_cols
+from ._layout import rows_cols
 
 try:  # torch.distributed is optional (some builds have none)
     import torch.distributed as dist
@@ -290,10 +290,9 @@ def check_disjoint(views: Sequence[ParamView]) -> None:
     seen: dict[int, ParamView] = {}
     for v in views:
         first = seen.setdefault(id(v.key), v)
-        if first is not v:  # (a cached layout names both by the first listing)
+        if first is not v:  # (each listing is named by its own entry: _base._views)
             raise ValueError(
-                f"parameters '{param_name(first.group, first.group_index, first.index)}' and "
-                f"'{param_name(v.group, v.group_index, v.index)}' are the same tensor: a "
+                f"parameters '{first.name}' and '{v.name}' are the same tensor: a "
                 "parameter must be listed once"
             )
     spans = sorted(
