@@ -15,7 +15,10 @@ allocates that state, after which the plain DCP load applies::
     dcp.load({"app": app_state}, checkpoint_id="ckpt/step1000")
 
 A load into an unprepared optimizer whose checkpoint holds state raises instead of
-silently restarting the moments; a prepared optimizer refuses to step until loaded.
+silently restarting the moments. An optimizer for which prepare_load allocated state
+(placeholders, not moments) refuses to step until a load has filled it, also after a
+failed load; an optimizer whose state already has the checkpoint's layout is left as it
+is, so a failed load into it leaves it exactly as it was, able to step.
 """
 
 from __future__ import annotations
@@ -177,9 +180,13 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
             ``"app.optim."``); found automatically unless ambiguous.
 
     Raises ``ValueError`` for a checkpoint of another model (unknown names, other
-    shapes) or of another optimizer, before anything changes. The optimizer then
-    refuses to step until the load has happened. A no-op for parameters without state
-    in the checkpoint, and for an optimizer whose state already has the saved layout.
+    shapes) or of another optimizer, or for live state of another layout, before
+    anything changes. Where it allocated state for a parameter that had none, the
+    optimizer (the hybrid, for its AdamW backup) refuses to step until a load has
+    succeeded; a failed load leaves it refusing, with its placeholders. A no-op for
+    parameters without state in the checkpoint and for live state that already has the
+    saved layout (at most digest placeholders are added): such an optimizer stays
+    steppable, and a failed load leaves it exactly as it was.
     """
     entries = checkpoint_entries(checkpoint)
     plans = []
@@ -205,19 +212,25 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
                 if not fields:
                     continue
                 view = make_view(p, param_name(group, gi, i), group, gi, i)
+                fresh = not child.state.get(view.key)  # no live state: a placeholder
                 if gefen_kind:
-                    plans.append((child, view, _gefen_layout(child, view, fields)))
+                    layout = _gefen_layout(child, view, fields)
                 else:
-                    plans.append((child, view, _adamw_layout(view, fields)))
-    for child, view, layout in plans:  # everything checked: allocate
-        if layout is not None:
-            child.state[view.key] = layout()
-    for child in _children(optimizer):
-        if any(c is child for c, _, _ in plans):
-            child._prepared = True
+                    layout = _adamw_layout(child, view, fields)
+                if layout is not None:
+                    plans.append((child, view, layout, fresh))
+    for child, view, layout, _ in plans:  # everything checked: allocate
+        child.state[view.key] = layout()
+    for child in children:
+        mine = [fresh for c, _, _, fresh in plans if c is child]
+        if mine:
             child.__dict__.pop("_steady", None)  # a kept step plan holds the old state
             update_state_counts(child)
-    if any(not isinstance(c, _QuantizedOptimizer) for c, _, _ in plans) and hasattr(optimizer, "_children"):
+        if any(mine) and isinstance(child, _QuantizedOptimizer):
+            child._prepared = True  # placeholders, not state: no step until a load fills them
+    # the hybrid guards its AdamW backup's placeholders (torch's AdamW has no guard)
+    if hasattr(optimizer, "_children") and any(
+            fresh and not isinstance(c, _QuantizedOptimizer) for c, _, _, fresh in plans):
         optimizer._prepared = True
 
 
@@ -294,11 +307,21 @@ def _digest_placeholders(view) -> dict:
     }
 
 
-def _adamw_layout(view, fields: dict[str, Entry]):
-    """AdamW's saved state of one parameter, as a function that allocates it."""
+def _adamw_layout(opt, view, fields: dict[str, Entry]):
+    """AdamW's saved state of one parameter, as a function that allocates it; None when
+    the live state already has it (its moments are kept, not zeroed)."""
     for key in ("exp_avg", "exp_avg_sq"):
         if key in fields and fields[key].shape != tuple(view.shape):
             raise _shape_error(view, key, fields[key].shape, view.shape)
+    live = opt.state.get(view.key)
+    if live:
+        if {k for k in _ADAMW_FIELDS if k in live} == set(fields):
+            return None
+        raise ValueError(
+            f"prepare_load: parameter '{view.name}' already has state of another layout "
+            f"(AdamW state {sorted(k for k in live if k in _ADAMW_FIELDS)}, the checkpoint's "
+            f"{sorted(fields)}); prepare_load is for an optimizer that has not been stepped"
+        )
 
     def allocate() -> dict:
         st: dict[str, Any] = {}

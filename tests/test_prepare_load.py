@@ -1,0 +1,126 @@
+"""``gefen.dcp.prepare_load`` and a load that fails (DESIGN.md §5), on spawned gloo groups:
+a trained optimizer stays exactly as it was and its next step works (prepare_load left
+it steppable: it allocated nothing); a fresh one keeps refusing to step, with the same
+message, until a good load has filled the state prepare_load allocated. On one process:
+the same for in-memory checkpoints, and a trained optimizer with a parameter that never
+had state is guarded once prepare_load has allocated that parameter's placeholders."""
+
+import os
+import re
+
+import dist_cases as D
+import dist_cases_prepare as P
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+import gefen.dcp
+
+# Gefen; and the hybrid with an AdamW backup: GefenMuon for the matrices (the corrupt
+# rows are GefenMuon's codes) and torch's AdamW, whose live moments prepare_load must keep
+KINDS = ["gefen", "hybrid-adamw"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(gloo_pools, tmp_path_factory):
+    """Per kind: a checkpoint saved on 2 ranks after 3 steps, and a copy with one
+    flipped byte in the codes of a matrix."""
+    root = tmp_path_factory.mktemp("prepare")
+    out = {}
+    for kind in KINDS:
+        good, bad = os.path.join(root, f"{kind}-good"), os.path.join(root, f"{kind}-bad")
+        gloo_pools(2).run(D.dcp_save, good, kind, "fsdp", {})
+        gloo_pools(2).run(P.copy_and_flip, good, bad)
+        out[kind] = good, bad
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", KINDS)
+def test_trained_optimizer_steps_after_a_failed_load(gloo_pools, checkpoints, kind):
+    _, bad = checkpoints[kind]
+    res = gloo_pools(2).run(P.warm_prepare_then_bad_load, bad, kind)
+    for r in res:
+        assert r["error"] is not None and "digest" in r["error"][1], r  # caught on every rank
+        assert r["unchanged"], r
+        assert not any(r["flags"]), r  # nothing was allocated: nothing to guard
+        assert r["step_error"] is None, r
+        assert r["same_as_twin"], r
+    assert res[0]["error"] == res[1]["error"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", KINDS)
+def test_fresh_optimizer_refuses_to_step_until_a_good_load(gloo_pools, checkpoints, kind):
+    good, bad = checkpoints[kind]
+    res = gloo_pools(2).run(P.fresh_prepare_bad_then_good, bad, good, kind)
+    for r in res:
+        assert r["error"] is not None and "digest" in r["error"][1], r
+        assert any(r["flags"]), r
+        assert r["step_error"] is not None and P.PREPARED in r["step_error"][1], r
+        assert not any(r["flags_loaded"]), r
+        assert r["n_mismatch"] == 0, r
+        # same topology: continued training is the uninterrupted run (the hybrid's
+        # Newton–Schulz in bf16 within test_checkpoint_dcp.py's tolerance)
+        assert r["final_diff"] <= (0.0 if kind == "gefen" else 1e-3), r
+
+
+# ------------------------------------------------------------------ one process
+
+
+def _opt(kind, model):
+    if kind == "gefen-muon":
+        return gefen.GefenMuon([(n, p) for n, p in model.named_parameters() if p.dim() == 2], lr=1e-2)
+    return D._ckpt_opt(kind, model, {})
+
+
+def _trained(kind, steps=2, skip=None):
+    model = D._tiny_gpt()
+    opt = _opt(kind, model)
+    for step in range(steps):
+        opt.zero_grad()
+        D._loss(model, step).backward()
+        if skip is not None:
+            dict(model.named_parameters())[skip].grad = None  # never gets state
+        opt.step()
+    return model, opt
+
+
+def _flags(opt):
+    return [bool(c.__dict__.get("_prepared")) for c in (opt, *getattr(opt, "_children", ()))]
+
+
+@pytest.mark.parametrize("kind", ["gefen", "gefen-muon", "hybrid-adamw", "hybrid-gefen"])
+def test_prepare_load_leaves_a_trained_optimizer_as_it_was(kind):
+    """Live state of the saved layout: nothing allocated, nothing zeroed (the hybrid's
+    AdamW moments were), no guard set; the next steps are a twin's."""
+    model, opt = _trained(kind)
+    twin, twin_opt = _trained(kind)
+    osd = get_optimizer_state_dict(model, opt)  # its own checkpoint, in memory
+    before = D._full_state(opt)
+    gefen.dcp.prepare_load(opt, osd)
+    after = D._full_state(opt)
+    assert before.keys() == after.keys() and all(D._same(before[k], after[k]) for k in before)
+    assert not any(_flags(opt))
+    D._train_steps(model, opt, 2, 2)
+    D._train_steps(twin, twin_opt, 2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+@pytest.mark.parametrize("kind, skip", [("gefen", "lm_head.weight"), ("hybrid-adamw", "blocks.0.ln1.weight")])
+def test_placeholders_for_a_parameter_without_state_are_guarded(kind, skip):
+    """A trained optimizer with one parameter that never had state: prepare_load
+    allocates that one's saved layout, so the optimizer refuses to step until a load."""
+    model, opt = _trained(kind, skip=skip)
+    twin, twin_opt = _trained(kind)
+    osd = get_optimizer_state_dict(twin, twin_opt)
+    gefen.dcp.prepare_load(opt, osd)
+    assert any(_flags(opt))
+    with pytest.raises(RuntimeError, match=re.escape(P.PREPARED)):
+        D._train_steps(model, opt, 2, 1)
+    model.load_state_dict(twin.state_dict())
+    set_optimizer_state_dict(model, opt, osd)
+    assert not any(_flags(opt))
+    D._train_steps(model, opt, 2, 2)
+    D._train_steps(twin, twin_opt, 2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
