@@ -190,9 +190,13 @@ class _QuantizedOptimizer(Optimizer):
     def _header(self, lrs: dict[int, float]) -> list[str]:
         """What every rank must agree on before acting (DESIGN.md §4): the parameter
         list (names, global shapes, dtypes, placements), each group's hyper-parameters,
-        which parameters have gradients and state, the codebook and the global step."""
+        which parameters have gradients and state (and each one's step counter), the
+        codebook, the global step and the optimizer-level options that change a step's
+        collectives or numbers (``codebook_refresh_every``: when the codebook is relearned;
+        Gefen's ``deterministic`` changes nothing and is not compared)."""
         cache = self.__dict__.setdefault("_header_cache", {})
-        out = [f"{self.KIND}|global_step={self._global_step}|codebook={self._codebook is not None}"]
+        out = [f"{self.KIND}|global_step={self._global_step}|codebook={self._codebook is not None}"
+               f"|codebook_refresh_every={self.codebook_refresh_every!r}"]
         for gi, group in enumerate(self.param_groups):
             out.append(f"group{gi}|lr={lrs.get(id(group))!r}|{self._group_header(group)}")
             for i, p in enumerate(group["params"]):
@@ -204,7 +208,9 @@ class _QuantizedOptimizer(Optimizer):
                     static = cache[p] = (
                         f"{param_name(group, gi, i)}|{tuple(p.shape)}|{p.dtype}|{layout}"
                     )
-                out.append(f"{static}|grad={p.grad is not None}|state={bool(self.state.get(p))}")
+                st = self.state.get(p)
+                step = st.get("step") if st else None
+                out.append(f"{static}|grad={p.grad is not None}|state={bool(st)}|step={step!r}")
         return out
 
     def _group_header(self, group: dict) -> str:

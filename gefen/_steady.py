@@ -19,8 +19,9 @@ keeps new plans: the kept plans never raise an error of their own and never chan
 number.
 
 Sharded (DTensor) parameters keep the step's agreement: the ranks reduce one small buffer
-(every rank's verdict and a digest of the learning rates, hyper-parameters and global
-step) and all take the kept plans, or all the full path, whose own agreement then raises
+(every rank's verdict and a digest of the global step, the codebook refresh setting, the
+learning rates, every group's options and every parameter's step counter: what the full
+step's header covers that can change between steps) and all take the kept plans, or all the full path, whose own agreement then raises
 what there is to raise. A plan is kept only when every rank can keep its own (an agreed
 flag of the full step that built them); a rank that nevertheless has none (its own step
 failed after the agreement) meets the others' kept-plan agreement with its full one,
@@ -82,6 +83,9 @@ class SteadyStep:
         stepped = {id(k) for k in self.keys}
         self.present = [p.grad is not None for p in self.all_params]
         self.stepped = [id(p) in stepped for p in self.all_params]
+        # the parameters this plan does not step (no gradient, or no element): their step
+        # counters join the ranks' header too (almost always none)
+        self.idle = [p for p, s in zip(self.all_params, self.stepped) if not s]
         self.states = [opt.state[k] for k in self.keys]
         # what the plans read of each state (its tensors, period and form), compared by
         # identity: (getter, the states of that form, their entries now)
@@ -191,7 +195,23 @@ class SteadyStep:
                 [xs[i] for i in idx] for xs in (params, grads, steps, hypers))
             if not plan.rebind(*args, seed):
                 return False, ""
-        return True, f"steady|{seed}|{hyper!r}" if self.distributed else ""
+        if not self.distributed:
+            return True, ""
+        return True, self._header(opt, groups, lrs, steps)
+
+    def _header(self, opt, groups, lrs, steps) -> str:
+        """What the ranks compare before taking their kept plans: what the full step's
+        header covers that can change between steps (the parameter list, gradients and
+        state are the kept ones, checked above): the global step, the optimizer's options,
+        every group's learning rate and options and every parameter's step counter. A
+        difference sends every rank down the full path, whose agreement names it."""
+        first = steps[0] if steps else None
+        if steps.count(first) == len(steps):  # the usual case: one counter (no long repr)
+            steps = first
+        idle = [st.get("step") if st else None for st in map(opt.state.get, self.idle)] if self.idle else ()
+        return (f"steady|{opt._global_step}|{opt.codebook_refresh_every!r}"
+                f"|{[lrs[id(g)] for g in groups]!r}|{list(map(opt._group_header, groups))!r}"
+                f"|steps={steps!r}|{idle!r}")
 
     def _locals(self, grads):
         """The local shards of the parameters and gradients, or (None, None) when a
