@@ -345,6 +345,11 @@ class _QuantizedOptimizer(Optimizer):
                 "that has not been loaded yet; load it (dcp.load / set_state_dict / "
                 "load_state_dict) before stepping"
             )
+        n = self.codebook_refresh_every  # (an attribute: read by _refresh_due, agreed in the header)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"codebook_refresh_every must be an int >= 0, got {n!r}")
+        if n < 0:
+            raise ValueError(f"codebook_refresh_every must be >= 0, got {n}")
         lrs = self._read_lrs()
         for group in self.param_groups:  # with the lr just read (a tensor lr: one read)
             self._check_group(dict(group, lr=lrs[id(group)]))
@@ -492,10 +497,13 @@ class _QuantizedOptimizer(Optimizer):
         Validate → agree → convert → install. Everything is validated first (schema,
         kind, group sizes, keys, shapes, dtypes, no negative moments (NaN and +inf,
         which a step with a non-finite gradient writes, load back), a valid codebook shared by all parameters, one global step, every rank's rows against
-        their digests, no state dropped on the way); every rank then agrees, and on any
-        error every rank raises the same ``ValueError`` naming the parameter, leaving the
-        optimizer exactly as it was. Hyper-parameters are restored from the saved groups
-        as ``torch.optim`` does, except the options that choose the representation
+        their digests, no state dropped on the way); every rank then agrees, on the live
+        optimizer and on the incoming state's replicated parts (codebook, global step,
+        saved hyper-parameters, each parameter's counters and form, replicated tensors:
+        ranks that load different checkpoints raise ``RankDivergenceError`` naming what
+        differs), and on any error every rank raises the same ``ValueError`` naming the
+        parameter, leaving the optimizer exactly as it was. Hyper-parameters are restored
+        from the saved groups as ``torch.optim`` does, except the options that choose the representation
         (Gefen's ``factored``, GefenMuon's ``sharded_mode``), which stay the live ones:
         block and factored state are converted (COMPATIBILITY.md).
         """
@@ -505,7 +513,20 @@ class _QuantizedOptimizer(Optimizer):
             checked = self._validate_load(state_dict)
         except Exception as exc:  # agreed: every rank raises
             error = exc
-        self._comm.agree(params, self._load_header(), [0, 0, 0, 0], error)
+        # the live optimizer and the incoming state's replicated parts (a rank that failed
+        # has none: the error flag is read first)
+        header = self._load_header() + (checked["agreement"] if checked is not None else [])
+        from ._comm import RankDivergenceError  # (a name of this function only)
+
+        try:
+            self._comm.agree(params, header, [0, 0, 0, 0], error)
+        except RankDivergenceError as exc:  # (the same message on every rank)
+            if _checkpoint.LOADED not in str(exc):
+                raise
+            raise RankDivergenceError(
+                f"{exc}; the ranks are loading different optimizer state: every rank must load "
+                "the same checkpoint"
+            ) from None
         self._install_load(checked)
 
     def _validate_load(self, state_dict: dict[str, Any]) -> dict:

@@ -28,7 +28,7 @@ import torch
 
 from ._ext import _C
 from ._layout import SCHEMA_VERSION, param_name
-from ._state import DIGEST_KEYS, StateError, as_int, check_common_state
+from ._state import COMMON_KEYS, DIGEST_KEYS, PREPARE_HINT, StateError, as_int, check_common_state
 from ._views import ParamView, is_dtensor, local, make_replicated, make_row_state, make_view, wrap_local
 
 #: Group header: how many of the group's parameters have state.
@@ -42,11 +42,6 @@ ROW_FIELDS = ("codes", "magnitude", "vmean", "v_row", "v")
 INT_KEYS = ("step", "global_step", "period", "factored")
 #: State tensors every rank holds whole, in the order of ``digest``.
 REPLICATED_FIELDS = ("v_col", "codebook")
-
-PREPARE_HINT = (
-    "call gefen.dcp.prepare_load(optimizer, checkpoint) before loading, so that the "
-    "optimizer allocates the state the checkpoint holds"
-)
 
 
 # ------------------------------------------------------------------ digests
@@ -200,7 +195,17 @@ def _incoming_local(view: ParamView, key: str, v: torch.Tensor, row_field: bool)
                 f"parameter '{view.name}': state '{key}' has placements {tuple(v.placements)}, "
                 f"the parameter {tuple(want)}"
             )
-        return v._local_tensor
+        lt = v._local_tensor
+        # a DTensor's global metadata says nothing of its local shard: check it too
+        rows = row_field and view.layout.sharded and v.dim() > 0
+        want_shape = (view.local_rows, *v.shape[1:]) if rows else tuple(v.shape)
+        if tuple(lt.shape) != tuple(want_shape) or lt.dtype != v.dtype:
+            raise StateError(
+                f"parameter '{view.name}': state '{key}' (global shape {tuple(v.shape)}) has a "
+                f"local shard of shape {tuple(lt.shape)} and dtype {lt.dtype} on this rank, "
+                f"expected {tuple(want_shape)} and {v.dtype}"
+            )
+        return lt
     if row_field and view.layout.sharded and v.dim() > 0:
         return v[view.row_offset : view.row_offset + view.local_rows]
     return v
@@ -279,7 +284,9 @@ def validate(opt, state_dict: dict[str, Any]) -> dict:
         # hyper-parameters come from the checkpoint (as torch.optim does); the options
         # that choose the representation and the sharded mode stay the live ones
         sg.update({k: g[k] for k in opt._LIVE_OPTIONS if k in g})
-        missing = [k for k in opt.defaults if k not in sg and k != STATE_COUNT]
+        # (torch.optim's __setstate__, run by every install and unpickling, adds
+        # "differentiable" to the defaults: an option gefen neither takes nor saves)
+        missing = [k for k in opt.defaults if k not in sg and k not in (STATE_COUNT, "differentiable")]
         if missing:
             raise ValueError(
                 f"parameter group {gi}: the saved group has no {', '.join(map(repr, missing))} "
@@ -352,8 +359,52 @@ def validate(opt, state_dict: dict[str, Any]) -> dict:
                 "and DCP loads keep only the state an optimizer has already allocated); "
                 + PREPARE_HINT
             )
-    return {"entries": entries, "codebook": codebook, "global_step": global_step or 0,
-            "saved_groups": saved_groups}
+    # the optimizer's own parameter order, not the state dict's: install converts in this
+    # order, one collective per converted parameter, which every rank must pair alike
+    entries = {p: entries[p] for p in chain.from_iterable(g["params"] for g in groups) if p in entries}
+    global_step = global_step or 0
+    return {"entries": entries, "codebook": codebook, "global_step": global_step,
+            "saved_groups": saved_groups,
+            "agreement": incoming_agreement(entries, codebook, global_step, saved_groups)}
+
+
+#: How each entry of :func:`incoming_agreement` starts (it ends up in the divergence error).
+LOADED = "the loaded checkpoint:"
+
+
+def incoming_agreement(entries: dict, codebook: torch.Tensor | None, global_step: int,
+                       saved_groups: list) -> list[str]:
+    """What every rank must load alike, as text for the load's agreement (one fact per
+    entry, so that a divergence error names it): everything install makes replicated --
+    the codebook, the global step, the saved groups' hyper-parameters, each parameter's
+    counters, form and replicated tensors (their checked digests), and the rows of a
+    parameter that is not row-sharded (every rank holds them all). Not the rows of a
+    sharded parameter: they differ by rank, and each rank checked its own against their
+    digests."""
+    cb = "none" if codebook is None else _digest(_host_bytes(codebook))
+    out = [f"{LOADED} global_step={global_step}", f"{LOADED} codebook digest={cb}"]
+    for gi, sg in enumerate(saved_groups):
+        out.extend(f"{LOADED} group {gi} {k}={_describe(v)}"
+                   for k, v in sorted(sg.items(), key=lambda kv: str(kv[0])) if k != "params")
+    for view, st, _ in entries.values():
+        ints = " ".join(f"{k}={as_int(st, k, view.name)}" for k in INT_KEYS if k in st)
+        fields = ",".join(sorted(k for k in st if k not in COMMON_KEYS and k not in INT_KEYS))
+        out.append(f"{LOADED} parameter '{view.name}' {ints} fields=+{fields}")
+        v_col, cb_digest = st[DIGEST].tolist()
+        out.append(f"{LOADED} parameter '{view.name}' v_col digest={v_col} codebook digest={cb_digest}")
+        if not view.layout.sharded:
+            out.append(f"{LOADED} parameter '{view.name}' (not row-sharded) row digests "
+                       f"digest={_digest(_host_bytes(st[DIGEST_ROWS]))}")
+    return out
+
+
+def _describe(value) -> str:
+    """A hyper-parameter as exact text (a tensor by dtype, shape and bytes: its repr
+    rounds)."""
+    if isinstance(value, torch.Tensor):
+        t = local(value)
+        return f"tensor({t.dtype}, {tuple(t.shape)}, {_digest(_host_bytes(t))})"
+    return repr(value)
 
 
 # ------------------------------------------------------------------ install

@@ -13,6 +13,12 @@ from ._views import local
 #: Integrity digests every exported state carries (see _checkpoint.py).
 DIGEST_KEYS = ("digest_rows", "digest")
 
+#: What to do when a load brings less state than the checkpoint holds.
+PREPARE_HINT = (
+    "call gefen.dcp.prepare_load(optimizer, checkpoint) before loading, so that the "
+    "optimizer allocates the state the checkpoint holds"
+)
+
 #: Keys every quantised parameter state in a state dict has.
 COMMON_KEYS = ("step", "global_step", "period", "codes", "magnitude", "codebook", *DIGEST_KEYS)
 
@@ -107,7 +113,15 @@ def check_common_state(st: dict, p: torch.Tensor, name: str) -> int:
         raise StateError(f"parameter '{name}': state must be a dict, got {type(st).__name__}")
     for key in COMMON_KEYS:
         if key not in st:
-            raise StateError(f"parameter '{name}': state is missing '{key}'")
+            hint = ""
+            if key in DIGEST_KEYS:  # what PyTorch's flattened load drops (it keeps live keys)
+                hint = (
+                    " (a gefen state dict carries integrity digests; PyTorch's flattened load "
+                    "restores only the keys the live optimizer's state already has, and an "
+                    "optimizer that never called state_dict() has no digests yet: "
+                    + PREPARE_HINT + ")"
+                )
+            raise StateError(f"parameter '{name}': state is missing '{key}'{hint}")
     step = as_int(st, "step", name)
     global_step = as_int(st, "global_step", name)
     for key, value in (("step", step), ("global_step", global_step)):

@@ -970,3 +970,38 @@ def test_on_off_options_take_bools_and_zero_one(value):
     w.grad = torch.randn_like(w)
     opt.step()
     assert opt.state[w]["step"] == 1
+
+
+@pytest.mark.parametrize("cls", [gefen.Gefen, gefen.GefenMuon])
+def test_a_state_dict_loads_again_after_a_load_and_a_deepcopy(cls):
+    """torch.optim's __setstate__ (run by a load's install and by unpickling) adds
+    "differentiable" to the defaults; a later load must not ask the saved groups for it."""
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    opt = cls([("w", w)], lr=1e-2)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    copy.deepcopy(opt).load_state_dict(opt.state_dict())
+    _same_bits(_bits(opt.state_dict()), _bits(sd))
+
+
+def test_flattened_load_into_a_trained_optimizer_without_digests_names_prepare_load():
+    """PyTorch's flattened load keeps only the keys the live state has: a trained
+    optimizer that never called state_dict() has no digests yet. The error says what to
+    do (gefen.dcp.prepare_load adds them), and that flow then loads exactly."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    ma, mb = _model(0), _model(1)
+    oa, ob = gefen.Gefen(ma.named_parameters(), lr=1e-2), gefen.Gefen(mb.named_parameters(), lr=1e-2)
+    _train(ma, oa, 2)
+    _train(mb, ob, 2)
+    sd = get_optimizer_state_dict(ma, oa, options=flat)
+    before = _bits(dict(ob.state))
+    with pytest.raises(ValueError, match=r"missing 'digest_rows'.*gefen\.dcp\.prepare_load"):
+        set_optimizer_state_dict(mb, ob, sd, options=flat)
+    _same_bits(_bits(dict(ob.state)), before)
+    gefen.dcp.prepare_load(ob, sd)
+    set_optimizer_state_dict(mb, ob, sd, options=flat)
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(oa.state[p]["codes"], ob.state[q]["codes"])
