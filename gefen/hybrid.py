@@ -26,7 +26,7 @@ from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
-from ._views import local
+from ._views import is_dtensor, local
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -321,6 +321,7 @@ class GefenMuonHybrid(Optimizer):
                 child._layout_cache = {}
                 child._codebook_copies = {}
         self._owner = {}
+        self.__dict__.pop("_plain_headers", None)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: the routing is fixed at construction. Add the group to
@@ -332,7 +333,9 @@ class GefenMuonHybrid(Optimizer):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state.pop("_plain_headers", None)  # (keyed by parameter; rebuilt on use)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -358,7 +361,7 @@ class GefenMuonHybrid(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plans = _prepare_all(self._children)
+        plans = _prepare_all(self._children, self._comm, self._all_params(), self._plain_header_cache())
         for child, plan in zip(self._children, plans):
             if isinstance(child, _QuantizedOptimizer):
                 if plan is not None:
@@ -424,8 +427,20 @@ class GefenMuonHybrid(Optimizer):
                 offset += len(child.param_groups)
         except Exception as exc:
             error = exc
-        params = [p for g in self.param_groups for p in g["params"]]
-        self._comm.agree(params, [f"hybrid|{len(params)}"], [0, 0, 0, 0], error)
+        params = self._all_params()
+        header = [self._hybrid_header()]
+        if error is None and self._comm.distributed(params):
+            # what the AdamW half will install (its saved groups' hyper-parameters, each
+            # parameter's state and step) is the same on every rank, or no rank installs
+            try:
+                offset = 0
+                for child, done in zip(self._children, loaded):
+                    if not isinstance(child, _QuantizedOptimizer):
+                        header += _plain_header(done, offset, self._plain_header_cache()["static"], grads=False)
+                    offset += len(child.param_groups)
+            except Exception as exc:
+                error = exc
+        self._comm.agree(params, header, [0, 0, 0, 0], error)
         for child, done in zip(self._children, loaded):
             if isinstance(child, _QuantizedOptimizer):
                 child._install_load(done)
@@ -436,6 +451,20 @@ class GefenMuonHybrid(Optimizer):
         self._prepared = False
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _plain_header_cache(self) -> dict:
+        """``"static"``: parameter -> the static part of its entry in the AdamW half's
+        header; ``"covers"``: whether the Muon child's agreement reaches AdamW's ranks."""
+        return self.__dict__.setdefault("_plain_headers", {"static": {}, "covers": None})
+
+    def _hybrid_header(self) -> str:
+        """The hybrid's own part of a load's agreement: schema, backup kind, groups."""
+        groups = ",".join(f"{g.get('role')}:{len(g['params'])}" for g in self.param_groups)
+        return (f"hybrid|schema={HYBRID_SCHEMA}|backup={self.defaults.get('backup_optimizer')!r}|"
+                f"groups={groups}")
 
     def _split(self, state_dict) -> list[dict[str, Any]]:
         """The children's halves of a flat state dict, after the hybrid-level checks."""
@@ -603,15 +632,23 @@ def _groups(named, role: str, weight_decay, no_decay: tuple[str, ...]) -> list[d
     return groups
 
 
-def _prepare_all(children) -> list:
+def _prepare_all(children, comm: Comm, all_params: list, cache: dict) -> list:
     """Every check each child's ``step()`` makes before it mutates anything, for all
     children before any applies: a gefen child's prepared (validated, agreed, not yet
     applied) step; for ``torch.optim.AdamW``, the gradient checks (sparse, complex,
     shape, dtype, device) and :func:`_check_adamw_step` (its groups' hyper-parameters,
     the state of every parameter with a gradient, no self-overlapping parameter), all
-    metadata only. AdamW's verdict joins the first gefen child's agreement, so
-    under sharding every rank raises together."""
+    metadata only.
+
+    Under sharding AdamW's verdict and its header (:func:`_plain_header`: its groups'
+    hyper-parameters, which parameters have gradients, each parameter's state and step)
+    join the first gefen child's agreement when that child's group covers AdamW's
+    ranks, else one agreement of their own (``comm``, over ``all_params``) before any
+    child prepares; so a divergent AdamW half makes every rank raise the same error
+    before either child mutates."""
     plain_error = None
+    extra: list[str] = []
+    plain_params: list[torch.Tensor] = []
     offset = 0
     for child in children:
         if not isinstance(child, _QuantizedOptimizer):
@@ -621,18 +658,143 @@ def _prepare_all(children) -> list:
                     _check_adamw_step(child, offset)
             except Exception as exc:
                 plain_error = exc
+            params = [p for g in child.param_groups for p in g["params"]]
+            if Comm.distributed(params):
+                plain_params += params
+                if plain_error is None:  # (a failed rank's header is never compared)
+                    try:
+                        extra += _plain_header(child, offset, cache["static"], grads=True)
+                    except Exception as exc:
+                        plain_error = exc
         offset += len(child.param_groups)
+    host = next((c for c in children if isinstance(c, _QuantizedOptimizer)), None)
+    fold = bool(plain_params) and host is not None and _covers(host, plain_params, cache)
+    if plain_params and not fold:  # no gefen agreement reaches AdamW's ranks: its own
+        comm.stats.reset_step()
+        comm.agree(all_params, extra, [0, 0, 0, 0], plain_error)  # raises on every rank
     plans = []
     for child in children:
         if isinstance(child, _QuantizedOptimizer):
             child._comm.stats.reset_step()
-            plans.append(child._prepare_step(plain_error))
+            if child is host and fold:
+                plans.append(_prepare_with_header(child, plain_error, extra))
+            else:
+                plans.append(child._prepare_step(plain_error))
             plain_error = None  # agreed (raised) by that child
         else:
             plans.append(None)
     if plain_error is not None:
         raise plain_error
     return plans
+
+
+def _prepare_with_header(child: _QuantizedOptimizer, outside_error, extra: list[str]):
+    """``child._prepare_step(outside_error)`` whose agreement also compares ``extra``
+    (appended to the header the child builds for that step). The child's ``_header`` is
+    shadowed on the instance for the duration of the call only."""
+    own = child._header
+
+    def header(lrs):
+        return own(lrs) + extra
+
+    child._header = header
+    try:
+        return child._prepare_step(outside_error)
+    finally:
+        del child._header
+
+
+def _mesh_ranks(params) -> set[int]:
+    """Every rank of every mesh of ``params`` (their DTensors')."""
+    meshes = {}
+    for p in params:
+        if is_dtensor(p):
+            meshes.setdefault(id(p.device_mesh), p.device_mesh)
+    ranks: set[int] = set()
+    for mesh in meshes.values():
+        ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+    return ranks
+
+
+def _covers(host: _QuantizedOptimizer, params: list, cache: dict) -> bool:
+    """Whether ``host``'s step agreement reaches every rank of ``params``' meshes
+    (remembered in ``cache["covers"]`` for these very parameter lists)."""
+    own = [p for g in host.param_groups for p in g["params"]]
+    key = (tuple(map(id, params)), tuple(map(id, own)))
+    known = cache.get("covers")
+    if known is None or known[0] != key:
+        known = cache["covers"] = (
+            key, host._comm.distributed(own) and _mesh_ranks(params) <= _mesh_ranks(own)
+        )
+    return known[1]
+
+
+def _plain_value(value) -> str:
+    """A hyper-parameter as ranks compare it: numbers (and one-element tensors) as
+    floats, so a tensor lr and a float lr of the same value agree; containers item by
+    item; callables and objects whose ``repr`` is their address by type; anything else
+    by ``repr``."""
+    if type(value) is float:
+        return repr(value)
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        t = local(value)
+        if t.numel() == 1 and not t.is_complex() and not t.is_meta:
+            return repr(float(t.item()))
+        return f"tensor{tuple(t.shape)}:{t.dtype}"
+    if isinstance(value, Real):
+        return repr(float(value))
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(map(_plain_value, value)) + ")"
+    if callable(value) or type(value).__repr__ is object.__repr__:  # (an address: per process)
+        return f"<{type(value).__qualname__}>"
+    return repr(value)
+
+
+def _plain_header(child: Optimizer, offset: int, cache: dict, grads: bool) -> list[str]:
+    """What every rank must agree on about a ``torch.optim`` half (DESIGN.md §4): each
+    group's hyper-parameters (lr as a float), each parameter's name, global shape, dtype
+    and placements, whether it has a gradient (``grads``), which state it holds and its
+    ``step`` (a float; the step tensors of a capturable or fused AdamW, on the device,
+    are read once per device). ``cache``: parameter -> the static part of its entry."""
+    out: list[str] = []
+    on_device: dict[torch.device, list[tuple[int, str, torch.Tensor]]] = {}
+    state = child.state
+    for gi, group in enumerate(child.param_groups):
+        hyper = "|".join(f"{k}={_plain_value(v)}" for k, v in sorted(group.items())
+                         if k != "params" and k != "param_names")
+        out.append(f"{_group_label(child, gi, offset)}|{hyper}")
+        for i, p in enumerate(group["params"]):
+            static = cache.get(p)
+            if static is None:
+                layout = "local"
+                if is_dtensor(p):
+                    mesh = p.device_mesh.mesh
+                    layout = f"{tuple(mesh.shape)}{mesh.flatten().tolist()}{tuple(p.placements)}"
+                static = cache[p] = f"parameter '{param_name(group, gi, i)}'|{tuple(p.shape)}|{p.dtype}|{layout}"
+            st = state.get(p)
+            if isinstance(st, dict):
+                entry = f"{static}|grad={p.grad is not None}|state={','.join(sorted(map(str, st)))}|step=" \
+                    if grads else f"{static}|state={','.join(sorted(map(str, st)))}|step="
+                step = st.get("step")
+            else:
+                entry = f"{static}|grad={p.grad is not None}|state={type(st).__name__}|step=" \
+                    if grads else f"{static}|state={type(st).__name__}|step="
+                step = None
+            t = local(step) if isinstance(step, torch.Tensor) else None
+            if t is None or t.numel() != 1 or t.is_complex() or t.is_meta:
+                out.append(entry + _plain_value(step))
+            elif t.device.type == "cpu":
+                out.append(entry + repr(float(t.item())))
+            else:
+                on_device.setdefault(t.device, []).append((len(out), entry, t))
+                out.append(entry)
+    for entries in on_device.values():
+        values = torch.stack([t.reshape(()).to(torch.float64) for _, _, t in entries]).cpu().tolist()
+        for (at, entry, _), v in zip(entries, values):
+            out[at] = entry + repr(float(v))
+    return out
 
 
 def _loaded_scratch(child: Optimizer, half: dict, offset: int = 0) -> Optimizer:
