@@ -513,21 +513,14 @@ class _QuantizedOptimizer(Optimizer):
             checked = self._validate_load(state_dict)
         except Exception as exc:  # agreed: every rank raises
             error = exc
-        # the live optimizer and the incoming state's replicated parts (a rank that failed
-        # has none: the error flag is read first)
-        header = self._load_header() + (checked["agreement"] if checked is not None else [])
-        from ._comm import RankDivergenceError  # (a name of this function only)
-
-        try:
-            self._comm.agree(params, header, [0, 0, 0, 0], error)
-        except RankDivergenceError as exc:  # (the same message on every rank)
-            if _checkpoint.LOADED not in str(exc):
-                raise
-            raise RankDivergenceError(
-                f"{exc}; the ranks are loading different optimizer state: every rank must load "
-                "the same checkpoint"
-            ) from None
+        agree_on_load(self._comm, params, self._load_agreement(checked), error)
         self._install_load(checked)
+
+    def _load_agreement(self, checked: dict | None) -> list[str]:
+        """What a load's agreement compares: the live optimizer (:meth:`_load_header`) and
+        the incoming state's replicated parts (``checked["agreement"]``; a rank whose
+        validation failed has none: the error flag is read first)."""
+        return self._load_header() + (checked["agreement"] if checked is not None else [])
 
     def _validate_load(self, state_dict: dict[str, Any]) -> dict:
         """The load's pre-hooks and every local check (mutates nothing)."""
@@ -666,3 +659,21 @@ def install_rebind(opt: Optimizer, new_params: list[list[torch.Tensor]]) -> None
     for group, params in zip(opt.param_groups, new_params):
         group["params"] = params
     opt.state = defaultdict(dict)
+
+
+def agree_on_load(comm, params: list, header: list[str], error: BaseException | None) -> None:
+    """A load's one agreement (``comm.agree``): every rank raises the same error, or
+    none does. A divergence in the incoming state (entries of
+    :func:`_checkpoint.incoming_agreement`) says that the ranks load different
+    checkpoints."""
+    from ._comm import RankDivergenceError  # (a name of this function only)
+
+    try:
+        comm.agree(params, header, [0, 0, 0, 0], error)
+    except RankDivergenceError as exc:  # (the same message on every rank)
+        if _checkpoint.LOADED not in str(exc):
+            raise
+        raise RankDivergenceError(
+            f"{exc}; the ranks are loading different optimizer state: every rank must load "
+            "the same checkpoint"
+        ) from None

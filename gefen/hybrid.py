@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _checkpoint
-from ._base import _QuantizedOptimizer, install_rebind, rebind_plan
+from ._base import _QuantizedOptimizer, agree_on_load, install_rebind, rebind_plan
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
@@ -430,17 +430,20 @@ class GefenMuonHybrid(Optimizer):
         params = self._all_params()
         header = [self._hybrid_header()]
         if error is None and self._comm.distributed(params):
-            # what the AdamW half will install (its saved groups' hyper-parameters, each
-            # parameter's state and step) is the same on every rank, or no rank installs
+            # what each half will install is the same on every rank, or no rank installs:
+            # a gefen child's live header and incoming replicated state, the AdamW half's
+            # saved groups' hyper-parameters and each parameter's state and step
             try:
                 offset = 0
                 for child, done in zip(self._children, loaded):
-                    if not isinstance(child, _QuantizedOptimizer):
+                    if isinstance(child, _QuantizedOptimizer):
+                        header += child._load_agreement(done)
+                    else:
                         header += _plain_header(done, offset, self._plain_header_cache()["static"], grads=False)
                     offset += len(child.param_groups)
             except Exception as exc:
                 error = exc
-        self._comm.agree(params, header, [0, 0, 0, 0], error)
+        agree_on_load(self._comm, params, header, error)
         for child, done in zip(self._children, loaded):
             if isinstance(child, _QuantizedOptimizer):
                 child._install_load(done)

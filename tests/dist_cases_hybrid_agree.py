@@ -140,7 +140,8 @@ def adamw_only_missing_grad(rank, world):
 
 def load_divergence(rank, world, what):
     """FSDP2: rank 1 loads an AdamW half that differs ("lr": the saved backup groups'
-    lr, "step": one parameter's saved step). Every rank raises the same error before
+    lr, "step": one parameter's saved step), or a Muon half that differs ("muon_lr",
+    "muon_step"). Every rank raises the same error before
     either child changes; then the agreed state dict loads and the next step works."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -149,6 +150,9 @@ def load_divergence(rank, world, what):
     _train_steps(ma, oa, 0, 3)
     _train_steps(mb, ob, 0, 2)
     sd = get_optimizer_state_dict(ma, oa)
+    # the parameter the error must name: AdamW's embedding, or the Muon child's first matrix
+    name = "tok_embed.weight" if not what.startswith("muon") else min(
+        k for k, st in sd["state"].items() if "codes" in st)
     if rank == 1:
         if what == "lr":
             for g in sd["param_groups"]:
@@ -157,6 +161,13 @@ def load_divergence(rank, world, what):
         elif what == "step":
             st = sd["state"]["tok_embed.weight"]
             st["step"] = st["step"] + 5
+        elif what == "muon_step":  # the Muon child's half: one matrix's saved step (one
+            st = sd["state"][name]  # step fewer than the global step is valid on its own)
+            st["step"] = st["step"] - 1
+        elif what == "muon_lr":
+            for g in sd["param_groups"]:
+                if g.get("role") == "muon":
+                    g["lr"] = 0.5
     before = _snapshot(ob)
     error = _attempt(lambda: set_optimizer_state_dict(mb, ob, sd))
     unchanged = _same(before, _snapshot(ob))
@@ -165,4 +176,5 @@ def load_divergence(rank, world, what):
     next_error = _attempt(lambda: _train_steps(mb, ob, 3, 1))
     return {"error": error, "unchanged": unchanged, "good_load": good_load, "next_error": next_error,
             "next_stepped": not _same(ahead, _snapshot(ob)),
-            "same_across_ranks": _same_across_ranks(list(mb.parameters())), "name": "tok_embed.weight"}
+            "same_across_ranks": _same_across_ranks(list(mb.parameters())),
+            "name": name if what != "muon_lr" else "group 0 lr"}

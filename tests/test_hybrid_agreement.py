@@ -1,7 +1,7 @@
 """GefenMuonHybrid(backup_optimizer="adamw") on DTensor parameters: ranks whose AdamW
 half differs (a learning rate, a missing gradient, a step counter; a loaded lr or step)
 raise the same error naming the parameter, on every rank, before either child changes
-anything; the next good step (or load) then works (DESIGN.md §4, §6).
+anything (a load whose Muon half differs on one rank, too); the next good step (or load) then works (DESIGN.md §4, §6).
 
 The cases live in dist_cases_hybrid_agree.py (they run inside the spawned ranks).
 """
@@ -36,8 +36,8 @@ def test_adamw_only_hybrid_agrees_on_its_own(gloo_pools):
     _all_raise_together(gloo_pools(2).run(H.adamw_only_missing_grad))
 
 
-@pytest.mark.parametrize("what", ["lr", "step"])
-def test_divergent_adamw_half_of_a_load_is_refused_on_every_rank(gloo_pools, what):
+@pytest.mark.parametrize("what", ["lr", "step", "muon_lr", "muon_step"])
+def test_divergent_half_of_a_load_is_refused_on_every_rank(gloo_pools, what):
     results = gloo_pools(2).run(H.load_divergence, what)
     _all_raise_together(results)
     assert all(r["good_load"] is None for r in results), results
