@@ -154,6 +154,7 @@ class _QuantizedOptimizer(Optimizer):
 
         Only before the first step (and before any state is loaded). Every name must
         exist in the model with the same global shape; on any error nothing changes.
+        Local (no collective): under sharding, call it on every rank (docs/distributed.md).
         """
         new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
         install_rebind(self, new_params)

@@ -309,7 +309,8 @@ class GefenMuonHybrid(Optimizer):
     def rebind(self, model: nn.Module) -> None:
         """Point both children at ``model``'s current parameters by fully qualified
         name (e.g. after ``fully_shard(model)``); only before the first step. Both
-        children are checked before either changes."""
+        children are checked before either changes. Local (no collective): under
+        sharding, call it on every rank (docs/distributed.md)."""
         plans = []
         for child in self._children:
             has_state = bool(getattr(child, "_global_step", 0) or any(child.state.values()))
