@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from ._views import (
     ParamView,
     check_disjoint,
     layout_of,
+    layout_text,
     local,
     make_replicated,
     make_row_state,
@@ -203,11 +205,8 @@ class _QuantizedOptimizer(Optimizer):
             for i, p in enumerate(group["params"]):
                 static = cache.get(p)
                 if static is None:
-                    layout = "local"
-                    if hasattr(p, "device_mesh"):
-                        layout = f"{tuple(p.device_mesh.mesh.shape)}{p.device_mesh.mesh.flatten().tolist()}{tuple(p.placements)}"
                     static = cache[p] = (
-                        f"{param_name(group, gi, i)}|{tuple(p.shape)}|{p.dtype}|{layout}"
+                        f"{param_name(group, gi, i)}|{tuple(p.shape)}|{p.dtype}|{layout_text(p)}"
                     )
                 st = self.state.get(p)
                 step = st.get("step") if st else None
@@ -379,14 +378,16 @@ class _QuantizedOptimizer(Optimizer):
         check_disjoint(views)
         self._disjoint_signature = signature
 
-    def _prepare_step(self, outside_error: BaseException | None = None) -> StepPlan | None:
+    def _prepare_step(self, outside_error: BaseException | None = None,
+                      outside_header: Sequence[str] = ()) -> StepPlan | None:
         """Everything a step does before its first mutation: check every gradient, group
         and kernel input, agree with the other ranks, choose the periods of new
         parameters and learn the codebook when due. Returns None when the step has
         nothing to do (no gradients, or the zero-gradient/zero-lr step of ALGORITHM.md
         §5). Mutates nothing; on any error every rank raises (``outside_error``: a
-        failed check of a composite's other part, agreed here). The caller starts the
-        step's collective counts (``comm_stats``)."""
+        failed check of a composite's other part, agreed here; ``outside_header``: that
+        part's header, compared with this step's). The caller starts the step's
+        collective counts (``comm_stats``)."""
         error: BaseException | None = outside_error
         all_views: list[ParamView] = []
         lrs: dict[int, float] = {}
@@ -406,7 +407,7 @@ class _QuantizedOptimizer(Optimizer):
             self._codebook is None or self._refresh_due() or any(not self.state.get(v.key) for v in views)
         )
         # what the ranks compare; a step with no DTensor parameter has no one to agree with
-        header = self._header(lrs) if self._comm.distributed(params) else []
+        header = self._header(lrs) + list(outside_header) if self._comm.distributed(params) else []
         if learning or error is not None:
             flags = self._comm.agree(params, header, flags, error)
             if not self._has_work(views, flags):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._views import Layout, is_dtensor
+from ._views import Layout, is_dtensor, mesh_ranks
 
 try:
     import torch.distributed as dist
@@ -112,9 +112,7 @@ class Comm:
                 meshes.setdefault(id(p.device_mesh), p.device_mesh)
         if self._mesh_ids == tuple(meshes):
             return self._group
-        ranks: set[int] = set()
-        for mesh in meshes.values():
-            ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+        ranks = mesh_ranks(meshes.values())
         self._mesh_ids = tuple(meshes)
         key = tuple(sorted(ranks))
         if key != self._group_ranks:

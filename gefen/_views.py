@@ -32,6 +32,23 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def layout_text(p) -> str:
+    """A parameter's layout as ranks compare it in their agreement headers: ``"local"``,
+    or its mesh's shape and ranks and its placements."""
+    if not is_dtensor(p):
+        return "local"
+    mesh = p.device_mesh.mesh
+    return f"{tuple(mesh.shape)}{mesh.flatten().tolist()}{tuple(p.placements)}"
+
+
+def mesh_ranks(meshes) -> set[int]:
+    """Every rank of the device meshes ``meshes``."""
+    ranks: set[int] = set()
+    for mesh in meshes:
+        ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
+    return ranks
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (no copy, no autograd), else the tensor itself."""
     return getattr(t, "_local_tensor", t)

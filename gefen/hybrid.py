@@ -26,7 +26,7 @@ from ._base import _QuantizedOptimizer, agree_on_load, install_rebind, rebind_pl
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
-from ._views import is_dtensor, local
+from ._views import is_dtensor, layout_text, local, mesh_ranks
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -680,10 +680,7 @@ def _prepare_all(children, comm: Comm, all_params: list, cache: dict) -> list:
     for child in children:
         if isinstance(child, _QuantizedOptimizer):
             child._comm.stats.reset_step()
-            if child is host and fold:
-                plans.append(_prepare_with_header(child, plain_error, extra))
-            else:
-                plans.append(child._prepare_step(plain_error))
+            plans.append(child._prepare_step(plain_error, extra if child is host and fold else ()))
             plain_error = None  # agreed (raised) by that child
         else:
             plans.append(None)
@@ -692,32 +689,9 @@ def _prepare_all(children, comm: Comm, all_params: list, cache: dict) -> list:
     return plans
 
 
-def _prepare_with_header(child: _QuantizedOptimizer, outside_error, extra: list[str]):
-    """``child._prepare_step(outside_error)`` whose agreement also compares ``extra``
-    (appended to the header the child builds for that step). The child's ``_header`` is
-    shadowed on the instance for the duration of the call only."""
-    own = child._header
-
-    def header(lrs):
-        return own(lrs) + extra
-
-    child._header = header
-    try:
-        return child._prepare_step(outside_error)
-    finally:
-        del child._header
-
-
 def _mesh_ranks(params) -> set[int]:
     """Every rank of every mesh of ``params`` (their DTensors')."""
-    meshes = {}
-    for p in params:
-        if is_dtensor(p):
-            meshes.setdefault(id(p.device_mesh), p.device_mesh)
-    ranks: set[int] = set()
-    for mesh in meshes.values():
-        ranks.update(int(r) for r in mesh.mesh.flatten().tolist())
-    return ranks
+    return mesh_ranks({id(p.device_mesh): p.device_mesh for p in params if is_dtensor(p)}.values())
 
 
 def _covers(host: _QuantizedOptimizer, params: list, cache: dict) -> bool:
@@ -772,20 +746,14 @@ def _plain_header(child: Optimizer, offset: int, cache: dict, grads: bool) -> li
         for i, p in enumerate(group["params"]):
             static = cache.get(p)
             if static is None:
-                layout = "local"
-                if is_dtensor(p):
-                    mesh = p.device_mesh.mesh
-                    layout = f"{tuple(mesh.shape)}{mesh.flatten().tolist()}{tuple(p.placements)}"
-                static = cache[p] = f"parameter '{param_name(group, gi, i)}'|{tuple(p.shape)}|{p.dtype}|{layout}"
+                static = cache[p] = (
+                    f"parameter '{param_name(group, gi, i)}'|{tuple(p.shape)}|{p.dtype}|{layout_text(p)}"
+                )
             st = state.get(p)
-            if isinstance(st, dict):
-                entry = f"{static}|grad={p.grad is not None}|state={','.join(sorted(map(str, st)))}|step=" \
-                    if grads else f"{static}|state={','.join(sorted(map(str, st)))}|step="
-                step = st.get("step")
-            else:
-                entry = f"{static}|grad={p.grad is not None}|state={type(st).__name__}|step=" \
-                    if grads else f"{static}|state={type(st).__name__}|step="
-                step = None
+            held = ",".join(sorted(map(str, st))) if isinstance(st, dict) else type(st).__name__
+            grad = f"|grad={p.grad is not None}" if grads else ""
+            entry = f"{static}{grad}|state={held}|step="
+            step = st.get("step") if isinstance(st, dict) else None
             t = local(step) if isinstance(step, torch.Tensor) else None
             if t is None or t.numel() != 1 or t.is_complex() or t.is_meta:
                 out.append(entry + _plain_value(step))
