@@ -237,6 +237,15 @@ def host_shards_on_an_accelerator_mesh(rank, world, kinds):
 # ------------------------------------------------------------ failures
 
 
+def attempt(fn):
+    """``fn()``'s error as (type name, message), or None when it returned."""
+    try:
+        fn()
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+    return None
+
+
 def _sharded_params(mesh, shapes, seed):
     return [torch.nn.Parameter(distribute_tensor(t, mesh, (Shard(0),))) for t in full_tensors(shapes, seed)]
 

@@ -9,37 +9,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from dist_cases import _layout_model, _loss, _sharded_params, _train_steps, make_mesh
+from bitsnap import bits, same_bits
+from dist_cases import _layout_model, _loss, _sharded_params, _train_steps, attempt, make_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import gefen
-from gefen._views import local
 
 
 def _hybrid(model):
     return gefen.GefenMuonHybrid(model, lr=1e-2, backup_optimizer="adamw", sharded_mode="exact")
-
-
-def _bits(x):
-    """Raw bytes of every tensor (local shards), recursively."""
-    if isinstance(x, torch.Tensor):
-        t = local(x).detach()
-        return ("tensor", t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).clone())
-    if isinstance(x, dict):
-        return {k: _bits(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_bits(v) for v in x]
-    return x
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, tuple) and a and a[0] == "tensor":
-        return isinstance(b, tuple) and a[:3] == b[:3] and torch.equal(a[3], b[3])
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b
 
 
 def _snapshot(opt):
@@ -49,21 +27,13 @@ def _snapshot(opt):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in child.param_groups]
         params = [p for g in child.param_groups for p in g["params"]]
         out.append({
-            "params": [_bits(p) for p in params],
-            "state": [_bits(dict(child.state[p])) if p in child.state else None for p in params],
-            "groups": _bits(groups),
+            "params": [bits(p) for p in params],
+            "state": [bits(dict(child.state[p])) if p in child.state else None for p in params],
+            "groups": bits(groups),
             "global_step": getattr(child, "_global_step", None),
-            "codebook": _bits(getattr(child, "_codebook", None)),
+            "codebook": bits(getattr(child, "_codebook", None)),
         })
     return out
-
-
-def _attempt(fn):
-    try:
-        fn()
-    except Exception as exc:
-        return (type(exc).__name__, str(exc))
-    return None
 
 
 def _same_across_ranks(params) -> bool:
@@ -94,13 +64,13 @@ def step_divergence(rank, world, what):
         elif what == "step":
             opt.backup.state[p]["step"] = saved[2] + 1
     before = _snapshot(opt)
-    error = _attempt(opt.step)
-    unchanged = _same(before, _snapshot(opt))
+    error = attempt(opt.step)
+    unchanged = same_bits(before, _snapshot(opt))
     group["lr"], p.grad, opt.backup.state[p]["step"] = saved  # put back
     ahead = _snapshot(opt)
-    next_error = _attempt(opt.step)
+    next_error = attempt(opt.step)
     return {"error": error, "unchanged": unchanged, "next_error": next_error,
-            "next_stepped": not _same(ahead, _snapshot(opt)),
+            "next_stepped": not same_bits(ahead, _snapshot(opt)),
             "same_across_ranks": _same_across_ranks(list(model.parameters())),
             "name": group["param_names"][0],
             # the AdamW header rides on the Muon child's agreement: no collective of its own
@@ -128,13 +98,13 @@ def adamw_only_missing_grad(rank, world):
     if rank == 1:
         params[1].grad = None
     before = _snapshot(opt)
-    error = _attempt(opt.step)
-    unchanged = _same(before, _snapshot(opt))
+    error = attempt(opt.step)
+    unchanged = same_bits(before, _snapshot(opt))
     params[1].grad = saved
     ahead = _snapshot(opt)
-    next_error = _attempt(opt.step)
+    next_error = attempt(opt.step)
     return {"error": error, "unchanged": unchanged, "next_error": next_error,
-            "next_stepped": not _same(ahead, _snapshot(opt)),
+            "next_stepped": not same_bits(ahead, _snapshot(opt)),
             "same_across_ranks": _same_across_ranks(params), "name": "norm.bias"}
 
 
@@ -169,12 +139,12 @@ def load_divergence(rank, world, what):
                 if g.get("role") == "muon":
                     g["lr"] = 0.5
     before = _snapshot(ob)
-    error = _attempt(lambda: set_optimizer_state_dict(mb, ob, sd))
-    unchanged = _same(before, _snapshot(ob))
-    good_load = _attempt(lambda: set_optimizer_state_dict(mb, ob, get_optimizer_state_dict(ma, oa)))
+    error = attempt(lambda: set_optimizer_state_dict(mb, ob, sd))
+    unchanged = same_bits(before, _snapshot(ob))
+    good_load = attempt(lambda: set_optimizer_state_dict(mb, ob, get_optimizer_state_dict(ma, oa)))
     ahead = _snapshot(ob)
-    next_error = _attempt(lambda: _train_steps(mb, ob, 3, 1))
+    next_error = attempt(lambda: _train_steps(mb, ob, 3, 1))
     return {"error": error, "unchanged": unchanged, "good_load": good_load, "next_error": next_error,
-            "next_stepped": not _same(ahead, _snapshot(ob)),
+            "next_stepped": not same_bits(ahead, _snapshot(ob)),
             "same_across_ranks": _same_across_ranks(list(mb.parameters())),
             "name": name if what != "muon_lr" else "group 0 lr"}

@@ -7,7 +7,7 @@ validate → agree → convert → install); a good load and a step must work af
 from __future__ import annotations
 
 import torch
-from dist_cases import _snapshot, _unchanged, make_mesh
+from dist_cases import _snapshot, _unchanged, attempt, make_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import gefen
@@ -43,21 +43,13 @@ def _train(opt, params, steps: int, seed: int) -> None:
         p.grad = None
 
 
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:
-        return (type(exc).__name__, str(exc))
-    return None
-
-
 def _after(opt, params, sd, snap, load) -> dict:
     """What every case reports: the load's error, whether nothing changed, and whether
     a good load (``sd``) and a step work after it."""
-    error = _error(load)
+    error = attempt(load)
     unchanged = _unchanged(opt, params, snap)
-    good = _error(lambda: opt.load_state_dict(sd))
-    step = _error(lambda: _train(opt, params, 1, 9))
+    good = attempt(lambda: opt.load_state_dict(sd))
+    step = attempt(lambda: _train(opt, params, 1, 9))
     return {"error": error, "unchanged": unchanged, "good_load": good, "step": step}
 
 
@@ -130,7 +122,7 @@ def convert_order(rank, world, order):
     sd = oa.state_dict()
     if order == "reverse" and rank == 1:
         sd["state"] = dict(reversed(list(sd["state"].items())))
-    error = _error(lambda: ob.load_state_dict(sd))
+    error = attempt(lambda: ob.load_state_dict(sd))
     v_cols = {}
     for name, p in zip(NAMES, pb):
         st = ob.state.get(p, {})
@@ -139,5 +131,5 @@ def convert_order(rank, world, order):
             every = [torch.zeros_like(local) for _ in range(world)]
             torch.distributed.all_gather(every, local)
             v_cols[name] = [t.tolist() for t in every]
-    step = _error(lambda: _train(ob, pb, 1, 9))
+    step = attempt(lambda: _train(ob, pb, 1, 9))
     return {"error": error, "v_cols": v_cols, "step": step}

@@ -7,7 +7,7 @@ naming it, change nothing, and step normally once the difference is undone."""
 from __future__ import annotations
 
 import torch
-from dist_cases import _sharded_params, _snapshot, _unchanged, make_mesh
+from dist_cases import _sharded_params, _snapshot, _unchanged, attempt, make_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import gefen
@@ -19,14 +19,6 @@ MUON_SHAPES = [(6, 4), (4, 8)]
 def _grads(params, mesh, gen) -> None:
     for p in params:
         p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, (Shard(0),))
-
-
-def _step(opt):
-    try:
-        opt.step()
-        return None
-    except Exception as exc:
-        return (type(exc).__name__, str(exc))
 
 
 def _diverge(opt, params, what: str):
@@ -70,12 +62,12 @@ def diverge(rank, world, kind, what, steady=True):
     _grads(params, mesh, gen)
     undo = _diverge(opt, params, what) if rank == 1 else (lambda: None)
     snap = _snapshot(opt, params)
-    error = _step(opt)
+    error = attempt(opt.step)
     unchanged = _unchanged(opt, params, snap)
     undo()
     after = []
     for _ in range(2):
         _grads(params, mesh, gen)
-        after.append(_step(opt))
+        after.append(attempt(opt.step))
     return {"kept": kept, "error": error, "unchanged": unchanged, "after": after,
             "global_step": opt._global_step}
