@@ -511,18 +511,22 @@ class _QuantizedOptimizer(Optimizer):
         """
         params = [p for g in self.param_groups for p in g["params"]]
         checked, error = None, None
+        header: list[str] = []  # (one process: no one to compare with)
         try:
             checked = self._validate_load(state_dict)
+            if self._comm.distributed(params):
+                header = self._load_agreement(checked)
         except Exception as exc:  # agreed: every rank raises
             error = exc
-        agree_on_load(self._comm, params, self._load_agreement(checked), error)
+        agree_on_load(self._comm, params, header, error)
         self._install_load(checked)
 
-    def _load_agreement(self, checked: dict | None) -> list[str]:
+    def _load_agreement(self, checked: dict) -> list[str]:
         """What a load's agreement compares: the live optimizer (:meth:`_load_header`) and
-        the incoming state's replicated parts (``checked["agreement"]``; a rank whose
-        validation failed has none: the error flag is read first)."""
-        return self._load_header() + (checked["agreement"] if checked is not None else [])
+        the incoming state's replicated parts (:func:`_checkpoint.incoming_agreement` of
+        what :meth:`_validate_load` returned; a rank whose validation failed builds none:
+        the error flag is read first)."""
+        return self._load_header() + _checkpoint.incoming_agreement(checked)
 
     def _validate_load(self, state_dict: dict[str, Any]) -> dict:
         """The load's pre-hooks and every local check (mutates nothing)."""

@@ -364,26 +364,25 @@ def validate(opt, state_dict: dict[str, Any]) -> dict:
     entries = {p: entries[p] for p in chain.from_iterable(g["params"] for g in groups) if p in entries}
     global_step = global_step or 0
     return {"entries": entries, "codebook": codebook, "global_step": global_step,
-            "saved_groups": saved_groups,
-            "agreement": incoming_agreement(entries, codebook, global_step, saved_groups)}
+            "saved_groups": saved_groups}
 
 
 #: How each entry of :func:`incoming_agreement` starts (it ends up in the divergence error).
 LOADED = "the loaded checkpoint:"
 
 
-def incoming_agreement(entries: dict, codebook: torch.Tensor | None, global_step: int,
-                       saved_groups: list) -> list[str]:
-    """What every rank must load alike, as text for the load's agreement (one fact per
+def incoming_agreement(checked: dict) -> list[str]:
+    """What every rank must load alike (``checked``: what :func:`validate` returned), as text for the load's agreement (one fact per
     entry, so that a divergence error names it): everything install makes replicated --
     the codebook, the global step, the saved groups' hyper-parameters, each parameter's
     counters, form and replicated tensors (their checked digests), and the rows of a
     parameter that is not row-sharded (every rank holds them all). Not the rows of a
     sharded parameter: they differ by rank, and each rank checked its own against their
     digests."""
+    entries, codebook, global_step = checked["entries"], checked["codebook"], checked["global_step"]
     cb = "none" if codebook is None else _digest(_host_bytes(codebook))
     out = [f"{LOADED} global_step={global_step}", f"{LOADED} codebook digest={cb}"]
-    for gi, sg in enumerate(saved_groups):
+    for gi, sg in enumerate(checked["saved_groups"]):
         out.extend(f"{LOADED} group {gi} {k}={_describe(v)}"
                    for k, v in sorted(sg.items(), key=lambda kv: str(kv[0])) if k != "params")
     for view, st, _ in entries.values():
