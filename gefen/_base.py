@@ -87,10 +87,7 @@ class _QuantizedOptimizer(Optimizer):
     KIND = ""
 
     def __init__(self, params, defaults: dict, *, codebook_refresh_every: int):
-        if isinstance(codebook_refresh_every, bool) or not isinstance(codebook_refresh_every, int):
-            raise TypeError("codebook_refresh_every must be an int >= 0")
-        if codebook_refresh_every < 0:
-            raise ValueError(f"codebook_refresh_every must be >= 0, got {codebook_refresh_every}")
+        check_refresh_every(codebook_refresh_every)
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params argument given to the optimizer should be an iterable of Tensors or "
@@ -345,11 +342,7 @@ class _QuantizedOptimizer(Optimizer):
                 "that has not been loaded yet; load it (dcp.load / set_state_dict / "
                 "load_state_dict) before stepping"
             )
-        n = self.codebook_refresh_every  # (an attribute: read by _refresh_due, agreed in the header)
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"codebook_refresh_every must be an int >= 0, got {n!r}")
-        if n < 0:
-            raise ValueError(f"codebook_refresh_every must be >= 0, got {n}")
+        check_refresh_every(self.codebook_refresh_every)  # (an attribute a user may set)
         lrs = self._read_lrs()
         for group in self.param_groups:  # with the lr just read (a tensor lr: one read)
             self._check_group(dict(group, lr=lrs[id(group)]))
@@ -665,6 +658,15 @@ def install_rebind(opt: Optimizer, new_params: list[list[torch.Tensor]]) -> None
     for group, params in zip(opt.param_groups, new_params):
         group["params"] = params
     opt.state = defaultdict(dict)
+
+
+def check_refresh_every(n) -> None:
+    """``codebook_refresh_every`` is an int >= 0 (checked at construction and, as an
+    attribute a user may change, by every step)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"codebook_refresh_every must be an int >= 0, got {n!r}")
+    if n < 0:
+        raise ValueError(f"codebook_refresh_every must be >= 0, got {n}")
 
 
 def agree_on_load(comm, params: list, header: list[str], error: BaseException | None) -> None:
