@@ -299,6 +299,12 @@ class _QuantizedOptimizer(Optimizer):
 
     # ------------------------------------------------------------ step
 
+    # Under torch.compile the step runs eagerly: a graph break in a compiled training
+    # step. Traced by Dynamo, the Python around the C calls lost the optimizer's own
+    # attribute writes (the learned codebook and quantiser, the kept plan), so the next
+    # step learned a codebook again and the numbers differed from eager steps
+    # (tests/test_compile.py). What it would trace is one C call per step anyway.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step.

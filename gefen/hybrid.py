@@ -343,6 +343,7 @@ class GefenMuonHybrid(Optimizer):
 
     # ------------------------------------------------------------ step
 
+    @torch.compiler.disable  # eager under torch.compile, as _QuantizedOptimizer.step
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step of both children.
