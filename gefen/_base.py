@@ -80,6 +80,18 @@ class StepPlan:
         return self.lrs[id(group)]
 
 
+#: The decorator of every kind's ``step``: under torch.compile the step runs eagerly, a
+#: graph break in a compiled training step. Traced by Dynamo, the Python around the C
+#: calls lost the optimizer's own attribute writes (the learned codebook and quantiser,
+#: the kept plan), so the next step learned a codebook again and the numbers differed
+#: from eager steps (tests/test_compile.py). What it would compile is a C call (and
+#: GefenMuon's Newton-Schulz products, which keep their eager numbers).
+eager_under_compile = torch.compiler.disable(
+    reason="a gefen optimizer's step runs eagerly (one C call): compile the model, and "
+    "leave the step out of a fullgraph=True region"
+)
+
+
 class _QuantizedOptimizer(Optimizer):
     """Base of Gefen and GefenMuon: 8-bit block-quantised state with one shared codebook."""
 
@@ -299,12 +311,7 @@ class _QuantizedOptimizer(Optimizer):
 
     # ------------------------------------------------------------ step
 
-    # Under torch.compile the step runs eagerly: a graph break in a compiled training
-    # step. Traced by Dynamo, the Python around the C calls lost the optimizer's own
-    # attribute writes (the learned codebook and quantiser, the kept plan), so the next
-    # step learned a codebook again and the numbers differed from eager steps
-    # (tests/test_compile.py). What it would trace is one C call per step anyway.
-    @torch.compiler.disable
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step.

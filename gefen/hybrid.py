@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _checkpoint
-from ._base import _QuantizedOptimizer, agree_on_load, install_rebind, rebind_plan
+from ._base import _QuantizedOptimizer, agree_on_load, eager_under_compile, install_rebind, rebind_plan
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
@@ -343,7 +343,7 @@ class GefenMuonHybrid(Optimizer):
 
     # ------------------------------------------------------------ step
 
-    @torch.compiler.disable  # eager under torch.compile, as _QuantizedOptimizer.step
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step of both children.

@@ -73,3 +73,19 @@ def test_compiled_step_matches_eager_steps(kind):
 def test_compiled_step_with_the_default_backend_matches_eager_steps():
     # inductor compiles what is around the step (the gradients' copies); the step is eager
     assert_same_bits(_run("factored", {}, whole=False), _run("factored", None, whole=False))
+
+
+def test_fullgraph_names_the_eager_step():
+    # fullgraph=True cannot break the graph: Dynamo's error carries the reason we give
+    model = _model()
+    opt = KINDS["block"](model)
+
+    def set_and_step(g):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, g)
+        opt.step()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="gefen optimizer's step runs eagerly"):
+        torch.compile(set_and_step, fullgraph=True, backend="eager")(0.5)
+    assert not opt.state  # nothing stepped
