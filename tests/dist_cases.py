@@ -293,16 +293,11 @@ def divergence(rank, world, what, kind="gefen"):
         options = {"factored": False} if kind == "gefen" else {"sharded_mode": "approx"}
     opt = (gefen.Gefen(named, lr=1e-3, **options) if kind == "gefen"
            else gefen.GefenMuon(named, lr=1e-2, **options))
-    first_error = None
     if what in ("order", "option"):  # differs from the start: the first step raises
         for p in params:
             p.grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)), mesh, (Shard(0),))
         snap = _snapshot(opt, params)
-        try:
-            opt.step()
-        except Exception as exc:
-            first_error = (type(exc).__name__, str(exc))
-        return {"error": first_error, "unchanged": _unchanged(opt, params, snap)}
+        return {"error": attempt(opt.step), "unchanged": _unchanged(opt, params, snap)}
     # what == "grad": the same optimizer, but rank 1 gives no gradient to "b"
     for p in params:
         p.grad = distribute_tensor(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)), mesh, (Shard(0),))
@@ -310,11 +305,7 @@ def divergence(rank, world, what, kind="gefen"):
     snap = _snapshot(opt, params)
     if rank == 1:
         params[1].grad = None
-    try:
-        opt.step()
-    except Exception as exc:
-        first_error = (type(exc).__name__, str(exc))
-    return {"error": first_error, "unchanged": _unchanged(opt, params, snap)}
+    return {"error": attempt(opt.step), "unchanged": _unchanged(opt, params, snap)}
 
 
 def rank_fails(rank, world, where, kind="gefen"):
@@ -355,10 +346,7 @@ def rank_fails(rank, world, where, kind="gefen"):
         import gefen.gefen as gg
         gg._C = type("C", (), {"AdamStep": Broken})
     try:
-        opt.step()
-        error = None
-    except Exception as exc:
-        error = (type(exc).__name__, str(exc))
+        error = attempt(opt.step)
     finally:
         if where == "stats":
             import gefen.gefen as gg
@@ -821,11 +809,7 @@ def steady_steps(rank, world, factored, event, steps=7):
                     elif event == "dropped":  # a rank without kept plans (after a failure of
                         opt.__dict__.pop("_steady", None)  # its own): its agreement meets the others' try
                 before = len(runs)
-                try:
-                    opt.step()
-                    errors.append(None)
-                except Exception as exc:
-                    errors.append((type(exc).__name__, str(exc)))
+                errors.append(attempt(opt.step))
                 if opt is sides[0][1]:
                     out["runs"].append(runs[before] if len(runs) > before else None)
             out["errors"].append(errors)
