@@ -89,3 +89,31 @@ def test_fullgraph_names_the_eager_step():
     with pytest.raises(Exception, match="gefen optimizer's step runs eagerly"):
         torch.compile(set_and_step, fullgraph=True, backend="eager")(0.5)
     assert not opt.state  # nothing stepped
+
+
+def test_a_compiled_model_in_the_closure_stays_compiled():
+    # the step is eager, the closure (a Lightning-style training step) is the user's: a
+    # torch.compile'd model called there still runs its compiled graph
+    calls = []
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend=counting_backend)
+    opt = KINDS["factored"](model)
+    x, y = torch.randn(8, 32), torch.randn(8, 16)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(compiled(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    assert len(calls) == 2 and len(opt.state) == 4
