@@ -192,6 +192,7 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
     plans = []
     children = _children(optimizer)
     all_names = {n for child in children for ns in _fqns(child, model) for n in ns}
+    found = False
     for child in children:
         gefen_kind = isinstance(child, _QuantizedOptimizer)
         probe = "codes" if gefen_kind else "exp_avg"
@@ -199,7 +200,8 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
         flat_names = [n for ns in names for n in ns]
         pre = prefix if prefix is not None else _find_prefix(entries, flat_names, probe)
         if pre is None:
-            continue  # the checkpoint holds no state for this optimizer
+            continue  # the checkpoint holds no state for this optimizer's parameters
+        found = True
         foreign = _foreign(entries, pre, all_names, probe)
         if foreign:
             raise ValueError(
@@ -219,6 +221,8 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
                     layout = _adamw_layout(child, view, fields)
                 if layout is not None:
                     plans.append((child, view, layout, fresh))
+    if not found:
+        _check_nothing_unmatched(entries, children, model)
     for child, view, layout, _ in plans:  # everything checked: allocate
         child.state[view.key] = layout()
     for child in children:
@@ -232,6 +236,26 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
     if hasattr(optimizer, "_children") and any(
             fresh and not isinstance(c, _QuantizedOptimizer) for c, _, _, fresh in plans):
         optimizer._prepared = True
+
+
+def _check_nothing_unmatched(entries: dict[str, Entry], children, model) -> None:
+    """When none of the optimizer's parameter names keys state in the checkpoint, the
+    checkpoint must hold no optimizer state at all: state under other names (a
+    checkpoint keyed by the model's names, for an optimizer built from
+    ``model.parameters()`` without ``model=``; or of another model) raises here instead
+    of leaving the optimizer unprepared for a load that would then drop it."""
+    held = sorted(k for k in entries
+                  if k.endswith((".codes", ".exp_avg")) and (k.startswith("state.") or ".state." in k))
+    if not held:
+        return
+    unnamed = model is None and any(g.get("param_names") is None for c in children for g in c.param_groups)
+    hint = (" The optimizer was built without parameter names (from model.parameters()): pass "
+            "model= (the model whose names key the checkpoint), or build it from "
+            "model.named_parameters()." if unnamed else " (A checkpoint of another model?)")
+    raise ValueError(
+        f"prepare_load: the checkpoint holds optimizer state under names this optimizer's "
+        f"parameters do not have (e.g. {held[:3]}).{hint}"
+    )
 
 
 def _shape_error(view, key: str, got, want) -> ValueError:

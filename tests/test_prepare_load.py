@@ -124,3 +124,51 @@ def test_placeholders_for_a_parameter_without_state_are_guarded(kind, skip):
     D._train_steps(model, opt, 2, 2)
     D._train_steps(twin, twin_opt, 2, 2)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+
+def _unnamed_twin(kind, model, opt):
+    """An optimizer of ``kind`` over ``model`` built without names: the parameters as
+    ``opt`` holds them (the hybrid: its routing as two lists)."""
+    if kind == "gefen":
+        return gefen.Gefen(model.parameters(), lr=3e-3, weight_decay=0.1)
+    if kind == "gefen-muon":
+        return gefen.GefenMuon([p for p in model.parameters() if p.dim() == 2], lr=1e-2)
+    params = dict(model.named_parameters())
+    routes = dict(opt.parameter_routing())
+    muon = [params[n] for n in params if routes[n] == "muon"]
+    backup = [params[n] for n in params if routes[n] == "backup"]
+    return gefen.GefenMuonHybrid(muon, backup, lr=1e-2, backup_optimizer=kind.split("-")[1])
+
+
+@pytest.mark.parametrize("kind", ["gefen", "gefen-muon", "hybrid-adamw"])
+def test_checkpoint_under_names_the_optimizer_lacks_raises(kind):
+    """A checkpoint keyed by the model's names into an optimizer built without names
+    (``model.parameters()``): prepare_load used to match nothing and return, and the load
+    then asked for the prepare_load that had just run. It raises, naming ``model=``, before
+    anything changes; with ``model=`` the load restores the state exactly."""
+    model, opt = _trained(kind)
+    osd = get_optimizer_state_dict(model, opt)
+    twin = D._tiny_gpt()
+    twin.load_state_dict(model.state_dict())
+    fresh = _unnamed_twin(kind, twin, opt)
+    with pytest.raises(ValueError, match=r"without parameter names .*pass model="):
+        gefen.dcp.prepare_load(fresh, osd)
+    assert len(fresh.state) == 0 and not any(_flags(fresh))
+    gefen.dcp.prepare_load(fresh, osd, model=twin)
+    set_optimizer_state_dict(twin, fresh, osd)
+    assert not any(_flags(fresh))
+    D._train_steps(model, opt, 2, 2)
+    D._train_steps(twin, fresh, 2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_checkpoint_of_another_model_raises_in_prepare_load():
+    """A named optimizer and a checkpoint with no name in common: raises there."""
+    model, opt = _trained("gefen")
+    osd = get_optimizer_state_dict(model, opt)
+    renamed = torch.nn.ModuleDict({"other": D._tiny_gpt()})
+    fresh = gefen.Gefen(renamed.named_parameters(), lr=3e-3)
+    with pytest.raises(ValueError, match="another model"):
+        gefen.dcp.prepare_load(fresh, osd)
+    assert len(fresh.state) == 0 and not any(_flags(fresh))
