@@ -416,6 +416,41 @@ def fsdp_training(rank, world, kind, steps, mesh_shape=None):
     return {"ref_losses": ref_losses, "losses": losses, "max_param_diff": max(diffs)}
 
 
+
+def fsdp_mixed_precision_training(rank, world, kind, steps):
+    """FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the usual
+    setting) vs one process that does the same by hand: float32 master parameters
+    stepped by the optimizer, a bfloat16 copy of them for the forward and backward, its
+    gradients cast to float32. Identical batches on every rank: the averaged float32
+    gradients are one process's, so losses and parameters must be equal bit for bit."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    master = _tiny_gpt()
+    model = copy.deepcopy(master)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = make_mesh((world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    ref_opt, opt = _make_opt(kind, master), _make_opt(kind, model)
+    ref_losses, losses = [], []
+    for step in range(steps):
+        half = copy.deepcopy(master).to(torch.bfloat16)
+        loss = _loss(half, step)
+        loss.backward()
+        for p, q in zip(master.parameters(), half.parameters()):
+            p.grad = q.grad.float()
+        ref_opt.step()
+        ref_losses.append(float(loss))
+        opt.zero_grad()
+        loss = _loss(model, step)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    same = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), master.parameters()))
+    dtypes = sorted({str(p.grad.dtype) for p in model.parameters()} | {str(p.dtype) for p in model.parameters()})
+    return {"ref_losses": ref_losses, "losses": losses, "same": same, "dtypes": dtypes}
+
 def fsdp_grads_are_averaged(rank, world):
     """With identical batches on every rank, FSDP2's reduced gradient equals one
     process's (NCCL and, in torch 2.13, gloo average); a summing backend would give

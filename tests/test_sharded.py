@@ -126,6 +126,14 @@ def test_fsdp2_training_matches_one_process(gloo_pools, kind):
         assert res["max_param_diff"] <= 1e-6, res
 
 
+
+@pytest.mark.parametrize("kind", ["gefen", "gefen-block"])
+def test_fsdp2_mixed_precision_matches_one_process(gloo_pools, kind):
+    # bf16 compute, float32 reduction and master parameters (what the optimizer sees)
+    for res in gloo_pools(2).run(D.fsdp_mixed_precision_training, kind, 4):
+        assert res["dtypes"] == ["torch.float32"], res
+        assert res["losses"] == res["ref_losses"] and res["same"], res
+
 @pytest.mark.parametrize("backup", ["gefen", "adamw"])
 def test_fsdp2_hybrid_matches_one_process(gloo_pools, backup):
     for res in gloo_pools(2).run(D.fsdp_training, f"hybrid-{backup}", 4):
