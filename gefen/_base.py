@@ -26,6 +26,7 @@ from ._ext import _C
 from ._layout import (
     SCHEMA_VERSION,
     as_float,
+    canonical_name,
     check_grad,
     check_no_self_overlap,
     check_param,
@@ -640,7 +641,9 @@ def rebind_plan(opt: Optimizer, model: torch.nn.Module, has_state: bool) -> list
             "rebind() is only allowed before the optimizer's first step (it has state); "
             "build the optimizer after fully_shard(model), or rebind before stepping"
         )
-    named = dict(model.named_parameters())
+    # by name modulo the wrappers' components: an optimizer built before torch.compile or
+    # activation checkpointing rebinds to the wrapped model's parameters
+    named = {canonical_name(n): p for n, p in model.named_parameters()}
     out = []
     for gi, group in enumerate(opt.param_groups):
         names = group.get("param_names")
@@ -651,7 +654,7 @@ def rebind_plan(opt: Optimizer, model: torch.nn.Module, has_state: bool) -> list
             )
         params = []
         for name, old in zip(names, group["params"]):
-            new = named.get(name)
+            new = named.get(canonical_name(name))
             if new is None:
                 raise ValueError(f"rebind(): parameter '{name}' is not a parameter of the model")
             if tuple(new.shape) != tuple(old.shape):

@@ -34,6 +34,19 @@ def param_name(group: dict, group_index: int, index: int) -> str:
     return f"param_groups[{group_index}][{index}]"
 
 
+
+#: Components of a parameter's name that module wrappers add and DCP's state-dict helpers
+#: drop: ``torch.compile``'s ``OptimizedModule._orig_mod`` and activation checkpointing's
+#: ``_checkpoint_wrapped_module`` (torch's ``_CHECKPOINT_PREFIX``).
+WRAPPER_COMPONENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers' components: the same parameter before and
+    after ``torch.compile`` or activation checkpointing, and the name DCP keys its state
+    by (``_orig_mod.blocks.0._checkpoint_wrapped_module.w`` -> ``blocks.0.w``)."""
+    return ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
+
 def check_param(p: torch.Tensor, name: str) -> None:
     """Reject parameters the optimizer can never update (at construction)."""
     if not isinstance(p, torch.Tensor):

@@ -32,7 +32,7 @@ import torch
 
 from ._base import _QuantizedOptimizer, block_state, row_vector
 from ._checkpoint import update_state_counts
-from ._layout import param_name, rows_cols
+from ._layout import canonical_name, param_name, rows_cols
 from ._views import local, make_replicated, make_row_state, make_view
 
 __all__ = ["prepare_load", "checkpoint_entries"]
@@ -102,13 +102,28 @@ def _children(optimizer) -> list:
     return list(getattr(optimizer, "_children", (optimizer,)))
 
 
+def _dcp_name(name: str, model: torch.nn.Module | None = None) -> str:
+    """The name DCP keys a parameter's state by: with the model, torch's own mapping
+    (which also drops DDP's ``module``); without it, the name without the wrappers'
+    components (an optimizer built from a compiled model's ``named_parameters()`` holds
+    ``_orig_mod.``-prefixed names)."""
+    if model is not None:
+        from torch.distributed.checkpoint.state_dict import _get_fqns  # DCP's own mapping
+
+        fqns = _get_fqns(model, name)
+        if len(fqns) == 1:
+            return next(iter(fqns))
+    return canonical_name(name)
+
+
 def _fqns(opt, model) -> list[list[str]]:
-    """Each group's parameters' checkpoint names: the model's fully qualified names (a
-    ``model`` given, or the names the optimizer was built with), else their indices."""
+    """Each group's parameters' checkpoint names: the names DCP keys them by (from the
+    ``model`` given, or from the names the optimizer was built with), else their
+    indices."""
     if model is not None:
         by_param = {}
         for n, p in model.named_parameters(remove_duplicate=False):
-            by_param.setdefault(id(p), n)
+            by_param.setdefault(id(p), _dcp_name(n, model))
     out, index = [], 0
     for gi, group in enumerate(opt.param_groups):
         names = []
@@ -118,7 +133,7 @@ def _fqns(opt, model) -> list[list[str]]:
                     raise ValueError(f"prepare_load: parameter {param_name(group, gi, i)} is not in the model")
                 names.append(by_param[id(p)])
             elif group.get("param_names") is not None:
-                names.append(str(group["param_names"][i]))
+                names.append(_dcp_name(str(group["param_names"][i])))
             else:
                 names.append(str(index))
             index += 1

@@ -12,7 +12,12 @@ import dist_cases as D
 import dist_cases_prepare as P
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 import gefen.dcp
 
@@ -172,3 +177,47 @@ def test_checkpoint_of_another_model_raises_in_prepare_load():
     with pytest.raises(ValueError, match="another model"):
         gefen.dcp.prepare_load(fresh, osd)
     assert len(fresh.state) == 0 and not any(_flags(fresh))
+
+
+def _wrapped_mlp(wrapper):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    if wrapper == "checkpointed":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        model[0] = checkpoint_wrapper(model[0])
+    elif wrapper == "compiled":
+        model = torch.compile(model, backend="eager")
+    return model
+
+
+@pytest.mark.parametrize("saved, loaded", [("compiled", "compiled"), ("plain", "compiled"),
+                                           ("checkpointed", "checkpointed"), ("compiled", "plain")])
+@pytest.mark.parametrize("names", ["named", "model="])
+def test_prepare_load_matches_names_through_wrappers(saved, loaded, names):
+    """torch.compile (``_orig_mod.``) and activation checkpointing
+    (``_checkpoint_wrapped_module.``) add components to ``named_parameters()`` that DCP's
+    state-dict helpers drop: prepare_load matches the checkpoint's names all the same, from
+    the optimizer's names or through ``model=`` (torch's own mapping), and training goes on
+    bit for bit. Before, a fresh optimizer of a compiled or checkpoint-wrapped model could
+    not be prepared ("another model?")."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    model = _wrapped_mlp(saved)
+    opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    for _ in range(3):
+        step(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    twin = _wrapped_mlp(loaded)
+    fresh = gefen.Gefen(twin.named_parameters() if names == "named" else twin.parameters(), lr=1e-2)
+    gefen.dcp.prepare_load(fresh, osd, model=twin if names == "model=" else None)
+    set_state_dict(twin, fresh, model_state_dict=msd, optim_state_dict=osd)
+    for _ in range(2):
+        step(model, opt)
+        step(twin, fresh)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))

@@ -35,6 +35,39 @@ def test_rebind_moves_to_the_new_parameters_by_name(make):
         opt.rebind(old)
 
 
+
+def _wrap(model, wrapper):
+    if wrapper == "compiled":
+        return torch.compile(model, backend="eager")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model[0] = checkpoint_wrapper(model[0])
+    return model
+
+
+@pytest.mark.parametrize("wrapper", ["compiled", "checkpointed"])
+@pytest.mark.parametrize("make", [
+    lambda m: gefen.Gefen(m.named_parameters(), lr=1e-2),
+    lambda m: gefen.GefenMuonHybrid(m, lr=1e-2),
+])
+def test_rebind_finds_parameters_through_wrappers(make, wrapper):
+    """torch.compile and activation checkpointing put ``_orig_mod.`` and
+    ``_checkpoint_wrapped_module.`` into the names (rebind raised "is not a parameter of
+    the model"): rebind matches the names without them and steps the wrapped model's
+    parameters."""
+    old = _model()
+    new = _wrap(copy.deepcopy(old), wrapper)
+    opt = make(old)
+    opt.rebind(new)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in new.parameters()}
+    twin = _wrap(copy.deepcopy(old), wrapper)
+    twin_opt = make(twin)
+    x = torch.randn(4, 6)
+    for model, o in ((new, opt), (twin, twin_opt)):
+        model(x).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(new.parameters(), twin.parameters()))
+
 def test_rebind_errors_change_nothing():
     old = _model()
     opt = gefen.Gefen(old.named_parameters(), lr=1e-2)
