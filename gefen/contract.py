@@ -108,13 +108,14 @@ _TRANSITIONS = (
     Transition("fresh optimizer (no step taken)", True,
                "gefen.dcp.prepare_load(optimizer, checkpoint) allocates the saved layout first; without it the load raises. "
                "It matches state by parameter name, as DCP keys it (without torch.compile's `_orig_mod.` and activation "
-               "checkpointing's `_checkpoint_wrapped_module.`): an optimizer built without names takes `model=` for a "
-               "checkpoint keyed by the model's names (without it, or for another model's checkpoint, prepare_load raises "
-               "before anything changes)",
+               "checkpointing's `_checkpoint_wrapped_module.`): an optimizer built without names, or over a DDP model "
+               "(`module.`), takes `model=` for a checkpoint keyed by the model's names (without it, or for another "
+               "model's checkpoint, prepare_load raises before anything changes)",
                (T + "test_fresh_optimizer_without_prepare_load_raises", T + "test_resume_on_another_topology",
                 "tests/test_prepare_load.py::test_checkpoint_under_names_the_optimizer_lacks_raises",
                 "tests/test_prepare_load.py::test_checkpoint_of_another_model_raises_in_prepare_load",
-                "tests/test_prepare_load.py::test_prepare_load_matches_names_through_wrappers")),
+                "tests/test_prepare_load.py::test_prepare_load_matches_names_through_wrappers",
+                T + "test_ddp_model_prepares_with_model")),
     Transition("Gefen factored -> block, block -> factored", True,
                "projected: vmean[i,b] = v_row[i] mean_b(v_col) / mean(v_row); v_row[i] = mean_b vmean[i,b], v_col[j] = mean_i vmean[i, j//P]",
                (T + "test_representation_changes_by_projection",)),

@@ -266,7 +266,9 @@ def _check_nothing_unmatched(entries: dict[str, Entry], children, model) -> None
     unnamed = model is None and any(g.get("param_names") is None for c in children for g in c.param_groups)
     hint = (" The optimizer was built without parameter names (from model.parameters()): pass "
             "model= (the model whose names key the checkpoint), or build it from "
-            "model.named_parameters()." if unnamed else " (A checkpoint of another model?)")
+            "model.named_parameters()." if unnamed else
+            " A checkpoint of another model? If the names differ by a wrapper's prefix (e.g. DDP's "
+            "'module.'), pass model=, which maps them as DCP does.")
     raise ValueError(
         f"prepare_load: the checkpoint holds optimizer state under names this optimizer's "
         f"parameters do not have (e.g. {held[:3]}).{hint}"

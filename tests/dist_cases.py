@@ -779,6 +779,32 @@ def fresh_load_without_prepare(rank, world, path):
     return {"error": None}
 
 
+
+def ddp_prepare_load_names(rank, world):
+    """A DDP model (names ``module.``-prefixed; DCP keys the state without it): a fresh
+    optimizer built from its named_parameters() is refused by prepare_load with the hint
+    to pass model=, changing nothing; with model= (DCP's own name mapping) the state
+    loads and training goes on bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gefen.dcp
+
+    base = _tiny_gpt()
+    model, twin = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    opt = _ckpt_opt("gefen", model, {})
+    _train_steps(model, opt, 0, 2)
+    msd, osd = get_state_dict(model, opt)
+    fresh = _ckpt_opt("gefen", twin, {})
+    error = attempt(lambda: gefen.dcp.prepare_load(fresh, osd))
+    untouched = not fresh.state
+    gefen.dcp.prepare_load(fresh, osd, model=twin)
+    set_state_dict(twin, fresh, model_state_dict=msd, optim_state_dict=osd)
+    _train_steps(model, opt, 2, 2)
+    _train_steps(twin, fresh, 2, 2)
+    return {"error": error, "untouched": untouched,
+            "same": all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))}
+
 def dcp_fresh_state_dict_changes_nothing(rank, world):
     """get_optimizer_state_dict on a fresh optimizer (DCP runs a zero step) does not
     change the later trajectory."""

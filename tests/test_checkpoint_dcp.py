@@ -154,6 +154,12 @@ def test_fresh_optimizer_without_prepare_load_raises(gloo_pools, tmp_path):
         assert r["error"] is not None and "prepare_load" in r["error"] and r["state_empty"], r
 
 
+
+def test_ddp_model_prepares_with_model(gloo_pools):
+    for r in gloo_pools(2).run(D.ddp_prepare_load_names):
+        assert r["error"] is not None and "DDP's 'module.'), pass model=" in r["error"][1], r
+        assert r["untouched"] and r["same"], r
+
 def test_get_optimizer_state_dict_on_a_fresh_optimizer_changes_nothing(gloo_pools):
     for r in gloo_pools(2).run(D.dcp_fresh_state_dict_changes_nothing):
         assert r["empty"] and r["same"], r
