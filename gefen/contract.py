@@ -116,6 +116,12 @@ _TRANSITIONS = (
                 "tests/test_prepare_load.py::test_checkpoint_of_another_model_raises_in_prepare_load",
                 "tests/test_prepare_load.py::test_prepare_load_matches_names_through_wrappers",
                 T + "test_ddp_model_prepares_with_model")),
+    Transition("a full state dict held by rank 0 only (broadcast_from_rank0)", True,
+               "gefen.dcp.prepare_load(optimizer, checkpoint, broadcast_from_rank0=True) gives every rank rank 0's "
+               "layout, then torch's set_model_state_dict / set_optimizer_state_dict with broadcast_from_rank0; "
+               "without it the ranks would prepare different state and raise together",
+               ("tests/test_prepare_load.py::test_full_state_dict_broadcast_from_rank0",
+                "tests/test_prepare_load.py::test_prepare_load_of_different_checkpoints_raises_on_every_rank")),
     Transition("Gefen factored -> block, block -> factored", True,
                "projected: vmean[i,b] = v_row[i] mean_b(v_col) / mean(v_row); v_row[i] = mean_b vmean[i,b], v_col[j] = mean_i vmean[i, j//P]",
                (T + "test_representation_changes_by_projection",)),

@@ -32,6 +32,7 @@ import torch
 
 from ._base import _QuantizedOptimizer, block_state, row_vector
 from ._checkpoint import update_state_counts
+from ._comm import Comm, RankDivergenceError
 from ._layout import canonical_name, param_name, rows_cols
 from ._views import local, make_replicated, make_row_state, make_view
 
@@ -177,7 +178,7 @@ def _foreign(entries: dict[str, Entry], prefix: str, names: set[str], probe: str
 
 
 def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, broadcast_from_rank0: bool = False) -> None:
     """Allocate in ``optimizer`` the state that ``checkpoint`` holds, laid out as saved
     (periods, block or factored form, NorMuon's row moment, AdamW's moments), so that
     ``dcp.load`` / ``set_state_dict`` / ``set_optimizer_state_dict`` (flattened too)
@@ -193,6 +194,16 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
             the optimizer was built without names (from ``model.parameters()``).
         prefix: where the optimizer's ``state`` sits in the checkpoint (e.g.
             ``"app.optim."``); found automatically unless ambiguous.
+        broadcast_from_rank0: only rank 0 holds the checkpoint (a full state dict, for
+            ``set_state_dict(..., options=StateDictOptions(full_state_dict=True,
+            broadcast_from_rank0=True))``): rank 0's metadata is broadcast over the default
+            process group and the other ranks' ``checkpoint`` is ignored (``None`` or ``{}``).
+
+    Under sharding every rank must call it (one agreement collective): ranks that would
+    allocate different layouts (different checkpoints; rank 0's full state dict and the
+    other ranks' empty ones without ``broadcast_from_rank0``) raise
+    ``gefen._comm.RankDivergenceError`` (a ``RuntimeError``) together, and an error on one rank is raised on
+    every rank, before anything changes.
 
     Raises ``ValueError`` for a checkpoint of another model (unknown names, other
     shapes) or of another optimizer, or for live state of another layout, before
@@ -203,12 +214,69 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
     saved layout (at most digest placeholders are added): such an optimizer stays
     steppable, and a failed load leaves it exactly as it was.
     """
-    entries = checkpoint_entries(checkpoint)
-    plans = []
     children = _children(optimizer)
+    params = [p for child in children for g in child.param_groups for p in g["params"]]
+    comm = getattr(optimizer, "_comm", None) or Comm()
+    entries = _entries_from_rank0(checkpoint) if broadcast_from_rank0 else None
+    plans, error = [], None
+    try:  # every local verdict goes into the one agreement below
+        if entries is None:
+            entries = checkpoint_entries(checkpoint)
+        plans = _plan(children, entries, model, prefix)
+    except Exception as exc:
+        error = exc
+    header = ["prepare_load"] + [  # what each parameter would get: the saved fields' shapes
+        f"{ci}|{view.name}|" + " ".join(f"{f}{list(e.shape) if e.tensor else ''}" for f, e in sorted(fields.items()))
+        for ci, view, fields, _layout, _fresh in plans]
+    try:
+        comm.agree(params, header, [0, 0, 0, 0], error)
+    except RankDivergenceError as exc:
+        raise RankDivergenceError(
+            "prepare_load: the ranks would prepare different state: every rank must call it with "
+            f"the same checkpoint (with broadcast_from_rank0=True when only rank 0 holds it). {exc}"
+        ) from None
+    for ci, view, _fields, layout, _ in plans:  # everything checked on every rank: allocate
+        children[ci].state[view.key] = layout()
+    for ci, child in enumerate(children):
+        mine = [fresh for c, _, _, _, fresh in plans if c == ci]
+        if mine:
+            child.__dict__.pop("_steady", None)  # a kept step plan holds the old state
+            update_state_counts(child)
+        if any(mine) and isinstance(child, _QuantizedOptimizer):
+            child._prepared = True  # placeholders, not state: no step until a load fills them
+    # the hybrid guards its AdamW backup's placeholders (torch's AdamW has no guard)
+    if hasattr(optimizer, "_children") and any(
+            fresh and not isinstance(children[ci], _QuantizedOptimizer) for ci, _, _, _, fresh in plans):
+        optimizer._prepared = True
+
+
+def _entries_from_rank0(checkpoint) -> dict[str, Entry]:
+    """Rank 0's :func:`checkpoint_entries`, broadcast over the default process group (an
+    error reading it is raised on every rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("prepare_load(broadcast_from_rank0=True) needs an initialised process group")
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", checkpoint_entries(checkpoint))
+        except Exception as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise ValueError(f"prepare_load: rank 0 could not read the checkpoint: {value}")
+    return value
+
+
+def _plan(children, entries: dict[str, Entry], model, prefix):
+    """What prepare_load would allocate, checked, nothing changed: (child index, view,
+    the checkpoint's fields, layout factory, fresh) per parameter."""
+    plans = []
     all_names = {n for child in children for ns in _fqns(child, model) for n in ns}
     found = False
-    for child in children:
+    for ci, child in enumerate(children):
         gefen_kind = isinstance(child, _QuantizedOptimizer)
         probe = "codes" if gefen_kind else "exp_avg"
         names = _fqns(child, model)
@@ -235,22 +303,10 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
                 else:
                     layout = _adamw_layout(child, view, fields)
                 if layout is not None:
-                    plans.append((child, view, layout, fresh))
+                    plans.append((ci, view, fields, layout, fresh))
     if not found:
         _check_nothing_unmatched(entries, children, model)
-    for child, view, layout, _ in plans:  # everything checked: allocate
-        child.state[view.key] = layout()
-    for child in children:
-        mine = [fresh for c, _, _, fresh in plans if c is child]
-        if mine:
-            child.__dict__.pop("_steady", None)  # a kept step plan holds the old state
-            update_state_counts(child)
-        if any(mine) and isinstance(child, _QuantizedOptimizer):
-            child._prepared = True  # placeholders, not state: no step until a load fills them
-    # the hybrid guards its AdamW backup's placeholders (torch's AdamW has no guard)
-    if hasattr(optimizer, "_children") and any(
-            fresh and not isinstance(c, _QuantizedOptimizer) for c, _, _, fresh in plans):
-        optimizer._prepared = True
+    return plans
 
 
 def _check_nothing_unmatched(entries: dict[str, Entry], children, model) -> None:

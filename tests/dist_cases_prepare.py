@@ -120,3 +120,39 @@ def fresh_prepare_bad_then_good(rank, world, bad, good, kind, steps=3, more=2):
     diff = max(float((a - b).abs().max()) for a, b in zip(final, ref["final"]))
     return {"error": error, "flags": flags, "step_error": step_error, "flags_loaded": flags_loaded,
             "n_mismatch": len(mismatch), "final_diff": diff}
+
+
+def full_state_from_rank0(rank, world, kind, broadcast):
+    """A full state dict that only rank 0 holds (``get_state_dict`` with
+    ``full_state_dict=True, cpu_offload=True``), loaded into a fresh sharded model and
+    optimizer with ``broadcast_from_rank0=True``. prepare_load(broadcast_from_rank0=True)
+    gives every rank rank 0's layout, and training goes on bit for bit; without it (rank
+    0 prepares, the others see an empty dict) every rank raises together, nothing
+    changed (before: the ranks prepared different state, and torch's load then hung in a
+    step only the unprepared ranks ran)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _layout_model("fsdp", world)
+    opt = _ckpt_opt(kind, model, {})
+    _train_steps(model, opt, 0, 3)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    held = bool(osd)
+    twin = _layout_model("fsdp", world)
+    fresh = _ckpt_opt(kind, twin, {})
+    try:
+        gefen.dcp.prepare_load(fresh, osd, broadcast_from_rank0=broadcast)
+    except Exception as exc:
+        return {"held": held, "error": _error(exc), "untouched": not any(fresh.state.values()),
+                "flags": _flags(fresh)}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(twin, msd, options=options)
+    set_optimizer_state_dict(twin, fresh, osd, options=options)
+    _train_steps(model, opt, 3, 2)
+    _train_steps(twin, fresh, 3, 2)
+    return {"held": held, "error": None, "flags": _flags(fresh),
+            "same": all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), twin.parameters()))}

@@ -70,6 +70,24 @@ def test_fresh_optimizer_refuses_to_step_until_a_good_load(gloo_pools, checkpoin
         assert r["final_diff"] <= (0.0 if kind == "gefen" else 1e-3), r
 
 
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_state_dict_broadcast_from_rank0(gloo_pools, kind):
+    res = gloo_pools(2).run(P.full_state_from_rank0, kind, True)
+    assert [r["held"] for r in res] == [True, False], res  # only rank 0 holds the dict
+    for r in res:
+        assert r["error"] is None and r["same"] and not any(r["flags"]), r
+
+
+@pytest.mark.distributed
+def test_prepare_load_of_different_checkpoints_raises_on_every_rank(gloo_pools):
+    res = gloo_pools(2).run(P.full_state_from_rank0, "gefen", False)
+    for r in res:
+        assert r["error"][0] == "RankDivergenceError" and "broadcast_from_rank0=True" in r["error"][1], r
+        assert r["untouched"] and not any(r["flags"]), r
+    assert res[0]["error"] == res[1]["error"]
+
 # ------------------------------------------------------------------ one process
 
 
