@@ -34,7 +34,6 @@ def param_name(group: dict, group_index: int, index: int) -> str:
     return f"param_groups[{group_index}][{index}]"
 
 
-
 #: Components of a parameter's name that module wrappers add and DCP's state-dict helpers
 #: drop: ``torch.compile``'s ``OptimizedModule._orig_mod`` and activation checkpointing's
 #: ``_checkpoint_wrapped_module`` (torch's ``_CHECKPOINT_PREFIX``).
@@ -46,6 +45,7 @@ def canonical_name(name: str) -> str:
     after ``torch.compile`` or activation checkpointing, and the name DCP keys its state
     by (``_orig_mod.blocks.0._checkpoint_wrapped_module.w`` -> ``blocks.0.w``)."""
     return ".".join(c for c in name.split(".") if c not in WRAPPER_COMPONENTS)
+
 
 def check_param(p: torch.Tensor, name: str) -> None:
     """Reject parameters the optimizer can never update (at construction)."""

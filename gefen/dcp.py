@@ -202,8 +202,8 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
     Under sharding every rank must call it (one agreement collective): ranks that would
     allocate different layouts (different checkpoints; rank 0's full state dict and the
     other ranks' empty ones without ``broadcast_from_rank0``) raise
-    ``gefen._comm.RankDivergenceError`` (a ``RuntimeError``) together, and an error on one rank is raised on
-    every rank, before anything changes.
+    ``gefen._comm.RankDivergenceError`` (a ``RuntimeError``) together, and an error on
+    one rank is raised on every rank, before anything changes.
 
     Raises ``ValueError`` for a checkpoint of another model (unknown names, other
     shapes) or of another optimizer, or for live state of another layout, before
