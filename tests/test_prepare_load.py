@@ -3,7 +3,11 @@ a trained optimizer stays exactly as it was and its next step works (prepare_loa
 it steppable: it allocated nothing); a fresh one keeps refusing to step, with the same
 message, until a good load has filled the state prepare_load allocated. On one process:
 the same for in-memory checkpoints, and a trained optimizer with a parameter that never
-had state is guarded once prepare_load has allocated that parameter's placeholders."""
+had state is guarded once prepare_load has allocated that parameter's placeholders.
+Also: matching by name (an optimizer without names, with ``model=``; names through
+torch.compile and activation checkpointing; another model's checkpoint), and on 2 ranks a
+full state dict only rank 0 holds (``broadcast_from_rank0``) and ranks that would prepare
+different state (one agreement: every rank raises)."""
 
 import os
 import re
