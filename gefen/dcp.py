@@ -42,6 +42,8 @@ __all__ = ["prepare_load", "checkpoint_entries"]
 _GEFEN_FIELDS = ("codes", "magnitude", "vmean", "v_row", "v_col", "v", "codebook", "digest_rows",
                  "digest", "step", "global_step", "period", "factored")
 _ADAMW_FIELDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+#: The field whose presence says a checkpoint holds a parameter's state, per kind.
+_GEFEN_PROBE, _ADAMW_PROBE = "codes", "exp_avg"
 
 
 @dataclass(frozen=True)
@@ -117,14 +119,20 @@ def _dcp_name(name: str, model: torch.nn.Module | None = None) -> str:
     return canonical_name(name)
 
 
-def _fqns(opt, model) -> list[list[str]]:
-    """Each group's parameters' checkpoint names: the names DCP keys them by (from the
-    ``model`` given, or from the names the optimizer was built with), else their
-    indices."""
+def _fqns(children, model) -> list[list[list[str]]]:
+    """Each child's groups' parameters' checkpoint names: the names DCP keys them by (from
+    the ``model`` given, whose names are mapped once, or from the names the optimizer was
+    built with), else their indices within the child."""
+    by_param = {}
     if model is not None:
-        by_param = {}
         for n, p in model.named_parameters(remove_duplicate=False):
-            by_param.setdefault(id(p), _dcp_name(n, model))
+            if id(p) not in by_param:
+                by_param[id(p)] = _dcp_name(n, model)
+    return [_child_fqns(child, model, by_param) for child in children]
+
+
+def _child_fqns(opt, model, by_param: dict) -> list[list[str]]:
+    """One optimizer's names (:func:`_fqns`; ``by_param``: the model's, by parameter id)."""
     out, index = [], 0
     for gi, group in enumerate(opt.param_groups):
         names = []
@@ -274,12 +282,12 @@ def _plan(children, entries: dict[str, Entry], model, prefix):
     """What prepare_load would allocate, checked, nothing changed: (child index, view,
     the checkpoint's fields, layout factory, fresh) per parameter."""
     plans = []
-    all_names = {n for child in children for ns in _fqns(child, model) for n in ns}
+    names_of = _fqns(children, model)
+    all_names = {n for names in names_of for ns in names for n in ns}
     found = False
-    for ci, child in enumerate(children):
+    for ci, (child, names) in enumerate(zip(children, names_of)):
         gefen_kind = isinstance(child, _QuantizedOptimizer)
-        probe = "codes" if gefen_kind else "exp_avg"
-        names = _fqns(child, model)
+        probe = _GEFEN_PROBE if gefen_kind else _ADAMW_PROBE
         flat_names = [n for ns in names for n in ns]
         pre = prefix if prefix is not None else _find_prefix(entries, flat_names, probe)
         if pre is None:
@@ -315,8 +323,8 @@ def _check_nothing_unmatched(entries: dict[str, Entry], children, model) -> None
     checkpoint keyed by the model's names, for an optimizer built from
     ``model.parameters()`` without ``model=``; or of another model) raises here instead
     of leaving the optimizer unprepared for a load that would then drop it."""
-    held = sorted(k for k in entries
-                  if k.endswith((".codes", ".exp_avg")) and (k.startswith("state.") or ".state." in k))
+    held = sorted(k for k in entries if k.endswith((f".{_GEFEN_PROBE}", f".{_ADAMW_PROBE}"))
+                  and (k.startswith("state.") or ".state." in k))
     if not held:
         return
     unnamed = model is None and any(g.get("param_names") is None for c in children for g in c.param_groups)
