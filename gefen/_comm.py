@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._views import Layout, is_dtensor, mesh_ranks
+from ._views import Layout, is_dtensor, mesh_ranks, meshes_of
 
 try:
     import torch.distributed as dist
@@ -106,10 +106,7 @@ class Comm:
     def group(self, params: Sequence[torch.Tensor]):
         """The agreement group: every rank of every mesh of ``params`` (WORLD when that
         is the whole world). Created once, by the member ranks only."""
-        meshes = {}
-        for p in params:
-            if is_dtensor(p):
-                meshes.setdefault(id(p.device_mesh), p.device_mesh)
+        meshes = meshes_of(params)
         if self._mesh_ids == tuple(meshes):
             return self._group
         ranks = mesh_ranks(meshes.values())

@@ -41,6 +41,11 @@ def layout_text(p) -> str:
     return f"{tuple(mesh.shape)}{mesh.flatten().tolist()}{tuple(p.placements)}"
 
 
+def meshes_of(params) -> dict[int, object]:
+    """The device meshes of ``params``' DTensors, by ``id``, in first-seen order."""
+    return {id(p.device_mesh): p.device_mesh for p in params if is_dtensor(p)}
+
+
 def mesh_ranks(meshes) -> set[int]:
     """Every rank of the device meshes ``meshes``."""
     ranks: set[int] = set()

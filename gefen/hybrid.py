@@ -26,7 +26,7 @@ from ._base import _QuantizedOptimizer, agree_on_load, eager_under_compile, inst
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
-from ._views import is_dtensor, layout_text, local, mesh_ranks
+from ._views import layout_text, local, mesh_ranks, meshes_of
 from .gefen import Gefen
 from .muon import STANDARD_COEFFICIENTS, GefenMuon
 
@@ -692,7 +692,7 @@ def _prepare_all(children, comm: Comm, all_params: list, cache: dict) -> list:
 
 def _mesh_ranks(params) -> set[int]:
     """Every rank of every mesh of ``params`` (their DTensors')."""
-    return mesh_ranks({id(p.device_mesh): p.device_mesh for p in params if is_dtensor(p)}.values())
+    return mesh_ranks(meshes_of(params).values())
 
 
 def _covers(host: _QuantizedOptimizer, params: list, cache: dict) -> bool:
