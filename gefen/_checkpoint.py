@@ -251,6 +251,22 @@ def check_digests(view: ParamView, st_local: dict) -> None:
         )
 
 
+def foreign_hint(state_dict: dict[str, Any]) -> str:
+    """A sentence for a load whose groups carry no gefen header: whose state dict it looks
+    like (e.g. torch.optim.AdamW's, by its state keys) and that gefen cannot take it over.
+    Empty where the first group has a gefen header."""
+    groups = state_dict.get("param_groups")
+    first = groups[0] if isinstance(groups, (list, tuple)) and groups else None
+    if isinstance(first, dict) and ("gefen_schema" in first or "gefen_hybrid" in first):
+        return ""
+    state = state_dict.get("state")
+    keys = sorted({str(k) for st in state.values() if isinstance(st, dict) for k in st}
+                  if isinstance(state, dict) else ())
+    held = f" (its state holds {', '.join(map(repr, keys))})" if keys else ""
+    return (f"; this is not a gefen state dict{held}: another optimizer's state cannot be "
+            "loaded into a gefen optimizer, which learns its own state on its first step")
+
+
 def validate(opt, state_dict: dict[str, Any]) -> dict:
     """Every check of a load (mutates nothing). Returns what :func:`install` needs."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -275,6 +291,7 @@ def validate(opt, state_dict: dict[str, Any]) -> dict:
                 f"parameter group {gi}: state-dict schema version {schema!r} is not supported "
                 f"(this gefen reads version {SCHEMA_VERSION}"
                 + ("; the checkpoint was written by a newer gefen" if newer else "") + ")"
+                + foreign_hint(state_dict)
             )
         if sg.get("gefen_kind") != opt.KIND:
             raise ValueError(

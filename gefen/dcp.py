@@ -313,20 +313,33 @@ def _plan(children, entries: dict[str, Entry], model, prefix):
                 if layout is not None:
                     plans.append((ci, view, fields, layout, fresh))
     if not found:
-        _check_nothing_unmatched(entries, children, model)
+        _check_nothing_unmatched(entries, children, model, all_names)
     return plans
 
 
-def _check_nothing_unmatched(entries: dict[str, Entry], children, model) -> None:
+def _check_nothing_unmatched(entries: dict[str, Entry], children, model, names: set[str]) -> None:
     """When none of the optimizer's parameter names keys state in the checkpoint, the
-    checkpoint must hold no optimizer state at all: state under other names (a
-    checkpoint keyed by the model's names, for an optimizer built from
-    ``model.parameters()`` without ``model=``; or of another model) raises here instead
-    of leaving the optimizer unprepared for a load that would then drop it."""
-    held = sorted(k for k in entries if k.endswith((f".{_GEFEN_PROBE}", f".{_ADAMW_PROBE}"))
-                  and (k.startswith("state.") or ".state." in k))
+    checkpoint must hold no optimizer state at all: another optimizer's state for these
+    parameters (torch AdamW's ``exp_avg`` for a gefen optimizer, gefen's ``codes`` for
+    torch's AdamW), or state under other names (a checkpoint keyed by the model's names,
+    for an optimizer built from ``model.parameters()`` without ``model=``; or of another
+    model) raises here instead of leaving the optimizer unprepared for a load that would
+    then drop it."""
+    probes = (f".{_GEFEN_PROBE}", f".{_ADAMW_PROBE}")
+    held = sorted(k for k in entries if k.endswith(probes) and (k.startswith("state.") or ".state." in k))
     if not held:
         return
+    keyed = tuple(f"state.{n}" for n in names)
+    ours = [k for k in held if k.rsplit(".", 1)[0].endswith(keyed)]
+    if ours:
+        field = ours[0].rsplit(".", 1)[1]
+        writer = "torch's AdamW or another torch.optim optimizer" if field == _ADAMW_PROBE else "a gefen optimizer"
+        raise ValueError(
+            f"prepare_load: the checkpoint holds another optimizer's state for these parameters "
+            f"(e.g. {ours[:2]}, written by {writer}): an optimizer cannot take over another "
+            "kind's state. Load it into the kind of optimizer that wrote it, or start this one "
+            "fresh (a gefen optimizer learns its state on its first step)."
+        )
     unnamed = model is None and any(g.get("param_names") is None for c in children for g in c.param_groups)
     hint = (" The optimizer was built without parameter names (from model.parameters()): pass "
             "model= (the model whose names key the checkpoint), or build it from "

@@ -479,7 +479,8 @@ class GefenMuonHybrid(Optimizer):
         live = self.param_groups
         if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
             n = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
-            raise ValueError(f"loaded state dict has {n} parameter groups, the hybrid {len(live)}")
+            raise ValueError(f"loaded state dict has {n} parameter groups, the hybrid {len(live)}"
+                             + _checkpoint.foreign_hint(state_dict))
         owner_of_id: dict[Any, int] = {}
         halves = []
         gi = 0
@@ -493,6 +494,7 @@ class GefenMuonHybrid(Optimizer):
                     raise ValueError(
                         f"parameter group {gi}: not a GefenMuonHybrid state dict of schema "
                         f"{HYBRID_SCHEMA} (group header 'gefen_hybrid' is {sg.get('gefen_hybrid')!r})"
+                        + _checkpoint.foreign_hint(state_dict)
                     )
                 if sg.get("role") != g["role"]:
                     raise ValueError(

@@ -561,6 +561,27 @@ def test_corrupt_state_dict_is_rejected_and_nothing_changes(name, corrupt, match
     _train(model, opt, 1, start=2)
 
 
+@pytest.mark.parametrize("kind", ["gefen", "gefen-muon", "hybrid"])
+def test_another_optimizers_state_dict_is_refused_naming_it(kind):
+    """torch AdamW's state dict (an optimizer swapped mid-run, resumed from the old
+    checkpoint) is refused as another optimizer's, naming its state keys, and nothing
+    changes; before, the error spoke of schema version None (the hybrid's, of group counts)."""
+    model = _matrix_model(0) if kind == "gefen-muon" else _model()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, adamw, 1)
+    if kind == "gefen":
+        opt = gefen.Gefen(model.named_parameters(), lr=1e-2)
+    elif kind == "gefen-muon":
+        opt = gefen.GefenMuon(model.named_parameters(), lr=1e-2)
+    else:
+        opt = gefen.GefenMuonHybrid(model.named_parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    params, state = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"not a gefen state dict \(its state holds 'exp_avg', 'exp_avg_sq', "):
+        opt.load_state_dict(adamw.state_dict())
+    _assert_untouched(model, opt, params, state)
+
+
 def _matrix_model(seed):
     """Bias-free: every parameter is 2-D, so GefenMuon can take the whole model."""
     torch.manual_seed(seed)
