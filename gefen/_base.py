@@ -166,9 +166,10 @@ class _QuantizedOptimizer(Optimizer):
 
         Only before the first step (and before any state is loaded). Every name must
         exist in the model with the same global shape; on any error nothing changes.
-        Local (no collective): under sharding, call it on every rank (docs/distributed.md).
+        Under sharding every rank calls it (one agreement collective over the model's
+        mesh): an error on one rank is raised on every rank (docs/distributed.md).
         """
-        new_params = rebind_plan(self, model, has_state=bool(self._global_step or any(self.state.values())))
+        (new_params,) = agreed_rebind_plans([self], model, self._comm)
         install_rebind(self, new_params)
         self.__dict__.pop("_steady", None)
         self._header_cache = {}
@@ -667,6 +668,26 @@ def rebind_plan(opt: Optimizer, model: torch.nn.Module, has_state: bool) -> list
             params.append(new)
         out.append(params)
     return out
+
+
+def agreed_rebind_plans(opts: Sequence[Optimizer], model: torch.nn.Module, comm: Comm) -> list:
+    """:func:`rebind_plan` of each of ``opts`` (nothing changes), agreed over the ranks of
+    the model's meshes when it is sharded: a rank's error (a name its model lacks, another
+    shape, state already there) is raised on every rank, and ranks whose optimizers name
+    other parameters raise ``RankDivergenceError`` together; without it the failing rank
+    raised alone and the others waited for it in their first step's agreement."""
+    plans, error = [], None
+    try:
+        for opt in opts:
+            has_state = bool(getattr(opt, "_global_step", 0) or any(opt.state.values()))
+            plans.append(rebind_plan(opt, model, has_state))
+    except Exception as exc:  # into the one agreement below
+        error = exc
+    header = ["rebind"] + [
+        f"{name}|{tuple(p.shape)}" for opt in opts for g in opt.param_groups
+        for name, p in zip(g.get("param_names") or (), g["params"])]
+    comm.agree(list(model.parameters()), header, [0, 0, 0, 0], error)
+    return plans
 
 
 def install_rebind(opt: Optimizer, new_params: list[list[torch.Tensor]]) -> None:

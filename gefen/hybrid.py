@@ -22,7 +22,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _checkpoint
-from ._base import _QuantizedOptimizer, agree_on_load, eager_under_compile, install_rebind, rebind_plan
+from ._base import (
+    _QuantizedOptimizer,
+    agree_on_load,
+    agreed_rebind_plans,
+    eager_under_compile,
+    install_rebind,
+)
 from ._checkpoint import PREPARE_HINT, STATE_COUNT, clone_state_tensor, run_hooks, update_state_counts
 from ._comm import Comm
 from ._layout import check_no_self_overlap, check_param, check_plain_grads, overlaps_itself, param_name
@@ -309,12 +315,10 @@ class GefenMuonHybrid(Optimizer):
     def rebind(self, model: nn.Module) -> None:
         """Point both children at ``model``'s current parameters by fully qualified
         name (e.g. after ``fully_shard(model)``); only before the first step. Both
-        children are checked before either changes. Local (no collective): under
-        sharding, call it on every rank (docs/distributed.md)."""
-        plans = []
-        for child in self._children:
-            has_state = bool(getattr(child, "_global_step", 0) or any(child.state.values()))
-            plans.append(rebind_plan(child, model, has_state))
+        children are checked before either changes. Under sharding every rank calls it
+        (one agreement collective): an error on one rank is raised on every rank
+        (docs/distributed.md)."""
+        plans = agreed_rebind_plans(self._children, model, self._comm)
         for child, params in zip(self._children, plans):
             install_rebind(child, params)
             if isinstance(child, _QuantizedOptimizer):

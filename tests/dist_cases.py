@@ -471,7 +471,8 @@ def fsdp_grads_are_averaged(rank, world):
 
 def fsdp_rebind(rank, world, kind):
     """An optimizer built from named_parameters() before fully_shard, then rebound to
-    the sharded parameters, trains exactly like one built after fully_shard."""
+    the sharded parameters, trains exactly like one built after fully_shard; a rebind
+    that fails on one rank raises on every rank."""
     from torch.distributed.fsdp import fully_shard
 
     base = _tiny_gpt()
@@ -495,7 +496,24 @@ def fsdp_rebind(rank, world, kind):
         late = None
     except RuntimeError as exc:
         late = str(exc)
-    return {"same": same, "late": late, "dtensors": all(isinstance(p, DTensor) for g in opt_a.param_groups for p in g["params"])}
+    # rank 1 alone rebinds to a model whose names are not the optimizer's: every rank
+    # raises its error (one agreement), nothing changes; before, rank 1 raised alone
+    # and rank 0 went on to a step whose agreement would wait for rank 1
+    opt_c = _make_opt(kind, copy.deepcopy(base))
+    c = copy.deepcopy(base)
+    for block in c.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(c, mesh=mesh)
+    before = [list(g["params"]) for g in opt_c.param_groups]
+    try:
+        opt_c.rebind(c if rank == 0 else torch.nn.ModuleDict({"renamed": c}))
+        one_rank = None
+    except ValueError as exc:
+        one_rank = str(exc)
+    unchanged = all(len(g["params"]) == len(b) and all(x is y for x, y in zip(g["params"], b))
+                    for g, b in zip(opt_c.param_groups, before))
+    return {"same": same, "late": late, "one_rank": one_rank, "unchanged": unchanged,
+            "dtensors": all(isinstance(p, DTensor) for g in opt_a.param_groups for p in g["params"])}
 
 
 # ------------------------------------------------------------ checkpoints

@@ -218,6 +218,8 @@ def test_rebind_after_fully_shard(gloo_pools, kind):
     for res in gloo_pools(2).run(D.fsdp_rebind, kind):
         assert res["same"] and res["dtensors"], res
         assert "only allowed before the optimizer's first step" in res["late"], res
+        assert "is not a parameter of the model" in res["one_rank"], res
+        assert "raised on rank 1" in res["one_rank"] and res["unchanged"], res
 
 
 # ------------------------------------------------------------ steady steps
