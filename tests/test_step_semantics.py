@@ -135,3 +135,34 @@ def test_disjoint_views_of_one_storage_are_accepted(cls):
         twin.step()
     for p, q in zip(views, twins):
         assert torch.equal(p.detach(), q.detach())
+
+
+def _steps_beside_an_outlier(factored, ratio, n=256, lr=1e-3):
+    """Ten steps of N(0, 1e-3^2) gradients on an n x n matrix, then one whose element
+    (0, 0) is ``ratio`` times that scale: the other elements' steps of that last step,
+    in units of lr."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(n, n))
+    opt = gefen.Gefen([p], lr=lr, factored=factored)
+    for s in range(11):
+        g = torch.randn(n, n) * 1e-3
+        if s == 10:
+            g[0, 0] = 1e-3 * ratio
+        before = p.detach().clone()
+        p.grad = g
+        opt.step()
+    d = (p.detach() - before).abs() / lr
+    d[0, 0] = 0
+    return d
+
+
+def test_gradient_outlier_steps_are_as_documented():
+    """docs/optimizers.md ("Gradient outliers"): the factored second moment (row times
+    column over the rows' mean, as Adafactor's, without its update clipping) lets one
+    element far above the rest of its matrix shrink every other element's estimate and
+    grow its step; the block form keeps its steps near lr. If this changes (e.g. an
+    update clipping is added), the documentation must change with it."""
+    assert _steps_beside_an_outlier(False, 1e6).max() < 2
+    assert _steps_beside_an_outlier(True, 1e3).max() < 3
+    factored = _steps_beside_an_outlier(True, 1e6)
+    assert factored.max() > 100 and int((factored > 3).sum()) > 0.9 * factored.numel()
