@@ -101,7 +101,7 @@ def test_constructor_rejects_bad_params():
         gefen.Gefen([torch.zeros(3, dtype=torch.int64)])
 
 
-@pytest.mark.parametrize("option", ["foreach", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("option", ["amsgrad", "foreach", "maximize", "capturable", "differentiable"])
 @pytest.mark.parametrize("make", [
     lambda **kw: gefen.Gefen([torch.nn.Parameter(torch.zeros(3))], **kw),
     lambda **kw: gefen.GefenMuon([torch.nn.Parameter(torch.zeros(3, 3))], **kw),
