@@ -686,7 +686,7 @@ def agreed_rebind_plans(opts: Sequence[Optimizer], model: torch.nn.Module, comm:
     header = ["rebind"] + [
         f"{name}|{tuple(p.shape)}" for opt in opts for g in opt.param_groups
         for name, p in zip(g.get("param_names") or (), g["params"])]
-    comm.agree(list(model.parameters()), header, [0, 0, 0, 0], error)
+    comm.agree_without_flags(list(model.parameters()), header, error)
     return plans
 
 
@@ -714,7 +714,7 @@ def agree_on_load(comm, params: list, header: list[str], error: BaseException | 
     from ._comm import RankDivergenceError  # (a name of this function only)
 
     try:
-        comm.agree(params, header, [0, 0, 0, 0], error)
+        comm.agree_without_flags(params, header, error)
     except RankDivergenceError as exc:  # (the same message on every rank)
         if _checkpoint.LOADED not in str(exc):
             raise

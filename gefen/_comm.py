@@ -181,6 +181,13 @@ class Comm:
             raise error
         return reduced
 
+    def agree_without_flags(self, params: Sequence[torch.Tensor], header: Sequence[str],
+                            error: BaseException | None) -> None:
+        """:meth:`agree` with no flags (a load's, a rebind's, ``prepare_load``'s): every
+        rank raises the same error, or ranks whose headers differ raise
+        :class:`RankDivergenceError` together, or none raises."""
+        self.agree(params, header, [0] * _N_FLAGS, error)
+
     def all_fit(self, params: Sequence[torch.Tensor], header: Sequence[str], fits: bool) -> bool:
         """A kept step plan's agreement (gefen/_steady.py), in the place of the step's
         agreement: True on every rank when every rank tried its kept plans, every one

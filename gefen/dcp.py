@@ -237,7 +237,7 @@ def prepare_load(optimizer, checkpoint, *, model: torch.nn.Module | None = None,
         f"{ci}|{view.name}|" + " ".join(f"{f}{list(e.shape) if e.tensor else ''}" for f, e in sorted(fields.items()))
         for ci, view, fields, _layout, _fresh in plans]
     try:
-        comm.agree(params, header, [0, 0, 0, 0], error)
+        comm.agree_without_flags(params, header, error)
     except RankDivergenceError as exc:
         raise RankDivergenceError(
             "prepare_load: the ranks would prepare different state: every rank must call it with "

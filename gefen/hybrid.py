@@ -682,7 +682,7 @@ def _prepare_all(children, comm: Comm, all_params: list, cache: dict) -> list:
     fold = bool(plain_params) and host is not None and _covers(host, plain_params, cache)
     if plain_params and not fold:  # no gefen agreement reaches AdamW's ranks: its own
         comm.stats.reset_step()
-        comm.agree(all_params, extra, [0, 0, 0, 0], plain_error)  # raises on every rank
+        comm.agree_without_flags(all_params, extra, plain_error)  # raises on every rank
     plans = []
     for child in children:
         if isinstance(child, _QuantizedOptimizer):
