@@ -5,9 +5,10 @@ message, until a good load has filled the state prepare_load allocated. On one p
 the same for in-memory checkpoints, and a trained optimizer with a parameter that never
 had state is guarded once prepare_load has allocated that parameter's placeholders.
 Also: matching by name (an optimizer without names, with ``model=``; names through
-torch.compile and activation checkpointing; another model's checkpoint; another optimizer's), and on 2 ranks a
-full state dict only rank 0 holds (``broadcast_from_rank0``) and ranks that would prepare
-different state (one agreement: every rank raises)."""
+torch.compile and activation checkpointing; another model's checkpoint; another
+optimizer's), and on 2 ranks a full state dict only rank 0 holds
+(``broadcast_from_rank0``) and ranks that would prepare different state (one agreement:
+every rank raises)."""
 
 import os
 import re
@@ -96,6 +97,8 @@ def test_prepare_load_of_different_checkpoints_raises_on_every_rank(gloo_pools):
 
 
 def _opt(kind, model):
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
     if kind == "gefen-muon":
         return gefen.GefenMuon([(n, p) for n, p in model.named_parameters() if p.dim() == 2], lr=1e-2)
     return D._ckpt_opt(kind, model, {})
@@ -201,20 +204,13 @@ def test_checkpoint_of_another_model_raises_in_prepare_load():
     assert len(fresh.state) == 0 and not any(_flags(fresh))
 
 
-def _adamw_trained():
-    model = D._tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    D._train_steps(model, opt, 2, 2)
-    return model, opt
-
-
 @pytest.mark.parametrize("kind", ["gefen", "gefen-muon", "hybrid-gefen"])
 def test_another_optimizers_checkpoint_raises_naming_it(kind):
     """torch AdamW's checkpoint of the same model into a gefen optimizer (swapping the
     optimizer and resuming): the names match but the state is another kind's. It used to
     say the names did not match ("another model?"); it says whose state it is, before
     anything changes."""
-    model, adamw = _adamw_trained()
+    model, adamw = _trained("adamw")
     osd = get_optimizer_state_dict(model, adamw)
     fresh = _opt(kind, model)
     with pytest.raises(ValueError, match=r"another optimizer's state .*torch's AdamW"):
