@@ -103,7 +103,7 @@ TARGET __attribute__((noinline)) static void decode_values(const gefen_quant_sea
 #define KEY_COUNTS(n)                                                                       \
   TARGET __attribute__((noinline)) static void key_counts_##n(                             \
       const key_tables *kt, const __m512i *q, __m512i *j, __mmask32 *tie) {                \
-    for (int i = 0; i < N / 32; i += n) key_search(kt, n, q + i, j + i, tie + i);          \
+    for (int i = 0; i < N / 32; i += n) key_search(kt, n, q + i, j + i, tie + i, 0);       \
   }
 KEY_COUNTS(2)
 KEY_COUNTS(4)

@@ -574,6 +574,9 @@ typedef struct {
    * magnitude, for the ties (key_ties) */
   const float *order;
   float mx, r, top;
+  /* the quantiser, where its look-up takes the first five levels (key_levels5;
+   * fixed keys only), else NULL */
+  const gefen_quant_search *bucket;
 } key_tables;
 
 /* Blocks at least this long search with 16-bit keys (the tables cost about
@@ -602,6 +605,7 @@ INLINE void key_setup(const gefen_quant_search *s, const float *t, float mx, key
   kt->mx = mx;
   kt->order = s->order;
   kt->key = s->key;
+  kt->bucket = s->key_fixed && s->key_bucket ? s : NULL;
   if (!s->key_fixed) {
     const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
     for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
@@ -633,18 +637,80 @@ _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
  * the final interval is its last left turn), so each level keeps it by a
  * blend, from -32768, which no key is (m's and the thresholds' keys are
  * within -S..S, S <= 32767). */
+/* The first GEFEN_BUCKET_LEVELS levels of key_search by the quantiser's
+ * look-up (s->key_bucket; n even): the count of the levels' keys below the
+ * bucket of each key q's high byte, then key_bucket comparisons with the next
+ * of them, each adding one where q is above it; j gets the count's bits
+ * reversed and ub the key above it, as the levels would leave them. Per 64
+ * keys 7 byte permutes and blends, then 3 operations per comparison and 2
+ * each for ub and j, against 8 a level (docs/performance.md, "The first
+ * levels by one look-up"). */
+INLINE void key_levels_by_bucket(const gefen_quant_search *s, const int n, const __m512i *q,
+                                 __m512i *j, __m512i *ub) {
+  /* the high bytes of q[v] (byte 2 w + 1: bytes 0..31) and q[v + 1] (bytes 32..63) */
+  static const _Alignas(64) uint8_t high[64] = {
+      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+      45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87,
+      89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127};
+  /* the counts of bytes 0..31 (32..63) to the low bytes of words 0..31 */
+  static const _Alignas(64) uint8_t low[2][64] = {
+      {0,  0, 1,  0, 2,  0, 3,  0, 4,  0, 5,  0, 6,  0, 7,  0, 8,  0, 9,  0, 10, 0,
+       11, 0, 12, 0, 13, 0, 14, 0, 15, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0,
+       22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31, 0},
+      {32, 0, 33, 0, 34, 0, 35, 0, 36, 0, 37, 0, 38, 0, 39, 0, 40, 0, 41, 0, 42, 0,
+       43, 0, 44, 0, 45, 0, 46, 0, 47, 0, 48, 0, 49, 0, 50, 0, 51, 0, 52, 0, 53, 0,
+       54, 0, 55, 0, 56, 0, 57, 0, 58, 0, 59, 0, 60, 0, 61, 0, 62, 0, 63, 0}};
+  const __mmask64 even = 0x5555555555555555ull;
+  __m512i c[2 * KEY_GROUPS];
+  for (int v = 0; v < n; v += 2) {
+    const __m512i h = _mm512_permutex2var_epi8(q[v], _mm512_load_si512(high), q[v + 1]);
+    const __m512i below =
+        _mm512_permutex2var_epi8(_mm512_loadu_si512(s->bucket_count), h,
+                                 _mm512_loadu_si512(s->bucket_count + 64));
+    const __m512i above =
+        _mm512_permutex2var_epi8(_mm512_loadu_si512(s->bucket_count + 128), h,
+                                 _mm512_loadu_si512(s->bucket_count + 192));
+    const __m512i b = _mm512_mask_blend_epi8(_mm512_movepi8_mask(h), below, above);
+    c[v] = _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512(low[0]), b);
+    c[v + 1] = _mm512_maskz_permutexvar_epi8(even, _mm512_load_si512(low[1]), b);
+  }
+  /* the 64-entry tables (entries from 2^GEFEN_BUCKET_LEVELS on are never read) */
+  const __m512i next0 = _mm512_loadu_si512(s->bucket_key),
+                next1 = _mm512_loadu_si512(s->bucket_key + 32);
+  for (int f = 0; f < s->key_bucket; f++)
+    for (int v = 0; v < n; v++) {
+      const __m512i probe = _mm512_permutex2var_epi16(next0, c[v], next1);
+      const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], probe);
+      c[v] = _mm512_mask_add_epi16(c[v], k, c[v], _mm512_set1_epi16(1));
+    }
+  const __m512i above0 = _mm512_loadu_si512(s->bucket_above),
+                above1 = _mm512_loadu_si512(s->bucket_above + 32);
+  const __m512i rev0 = _mm512_loadu_si512(s->bucket_rev),
+                rev1 = _mm512_loadu_si512(s->bucket_rev + 32);
+  for (int v = 0; v < n; v++) {
+    ub[v] = _mm512_permutex2var_epi16(above0, c[v], above1);
+    j[v] = _mm512_permutex2var_epi16(rev0, c[v], rev1);
+  }
+}
+
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j,
-                       __mmask32 *tie) {
+                       __mmask32 *tie, const int bucket) {
   const int16_t *w = kt->key;
   __mmask32 k7[2 * KEY_GROUPS];
   __m512i ub[2 * KEY_GROUPS];
-  const __m512i t1 = _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)]);
-  for (int v = 0; v < n; v++) {
-    const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], t1);
-    j[v] = _mm512_maskz_mov_epi16(k, _mm512_set1_epi16(1));
-    ub[v] = _mm512_mask_mov_epi16(t1, k, _mm512_set1_epi16(-32768));
+  int first = 2; /* the first level of the binary search's loops */
+  if (bucket) {
+    key_levels_by_bucket(kt->bucket, n, q, j, ub);
+    first = GEFEN_BUCKET_LEVELS + 1;
+  } else {
+    const __m512i t1 = _mm512_set1_epi16(w[GEFEN_LEVEL_AT(1)]);
+    for (int v = 0; v < n; v++) {
+      const __mmask32 k = _mm512_cmpgt_epi16_mask(q[v], t1);
+      j[v] = _mm512_maskz_mov_epi16(k, _mm512_set1_epi16(1));
+      ub[v] = _mm512_mask_mov_epi16(t1, k, _mm512_set1_epi16(-32768));
+    }
   }
-  for (int level = 2; level <= 6; level++) {
+  for (int level = first; level <= 6; level++) {
     const __m512i t = _mm512_loadu_si512(w + GEFEN_LEVEL_AT(level));
     for (int v = 0; v < n; v++) {
       const __m512i probe = _mm512_permutexvar_epi16(j[v], t);
@@ -696,7 +762,10 @@ INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint
   for (int v = 0; v < 2 * G; v++)
     q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr, vtop),
                               key16(_mm512_loadu_ps(m + 32 * v + 16), vr, vtop));
-  key_search(kt, 2 * G, q, j, t);
+  if (kt->bucket)
+    key_search(kt, 2 * G, q, j, t, 1);
+  else
+    key_search(kt, 2 * G, q, j, t, 0);
   for (int h = 0; h < G; h++) {
     const __m512i c_t = reverse_bits(_mm512_packus_epi16(j[2 * h], j[2 * h + 1]));
     if (PACKED_BF16 && packed)
@@ -741,7 +810,7 @@ INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
   for (int v = 0; v < 2 * g; v++)
     q[v] = _mm512_packs_epi32(key16(m[2 * v], vr, vtop), key16(m[2 * v + 1], vr, vtop));
   __mmask32 tie[2 * KEY_GROUPS];
-  key_search(kt, 2 * g, q, j, tie); /* (tie unused: every lane is compared below) */
+  key_search(kt, 2 * g, q, j, tie, 0); /* (tie unused: every lane is compared below) */
   for (int h = 0; h < g; h++) {
     /* the count's code and the threshold above it, both by its reversed bits */
     const __m512i bits_t = _mm512_packus_epi16(j[2 * h], j[2 * h + 1]);

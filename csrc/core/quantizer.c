@@ -96,6 +96,32 @@ static double bound_above(float t, uint16_t *tie_up, int bit) {
   return 0.5 * ((double)t + (double)up);
 }
 
+/* The look-up of the key search's first levels (gefen_quant_search,
+ * key_bucket), from the fixed keys: key_bucket 1 .. GEFEN_BUCKET_FIXUPS, or 0
+ * (not used). */
+static void key_buckets(gefen_quant_search *s) {
+  enum { N = (1 << GEFEN_BUCKET_LEVELS) - 1, D = 1 << (8 - GEFEN_BUCKET_LEVELS) };
+  int16_t k[N]; /* K_Di: level L's thresholds are those at multiples of 2^(8 - L) */
+  for (int i = 0; i < N; i++) k[i] = s->key[gefen_bit_reverse8(D * (i + 1) - 1)];
+  int most = 0;
+  for (int h = 0; h < 256; h++) {
+    const int lo = 256 * (int)(int8_t)h; /* the bucket's keys: lo .. lo + 255 */
+    int below = 0, in = 0;
+    for (int i = 0; i < N; i++) {
+      below += k[i] < lo;
+      in += k[i] >= lo && k[i] <= lo + 255;
+    }
+    s->bucket_count[h] = (uint8_t)below;
+    if (in > most) most = in;
+  }
+  for (int c = 0; c < 64; c++) {
+    s->bucket_key[c] = c < N ? k[c] : 32767;
+    s->bucket_above[c] = c < N ? k[c] : -32768;
+    s->bucket_rev[c] = (int16_t)(gefen_bit_reverse8(c) >> (8 - GEFEN_BUCKET_LEVELS));
+  }
+  s->key_bucket = most <= GEFEN_BUCKET_FIXUPS ? most : 0;
+}
+
 /* The 16-bit keys of the thresholds, the same for every block, where a scale
  * allows them (gefen_quant_search, key_fixed): the largest key_top from
  * 32767 down to 16384 for which every x = t * key_top (exact in float64: 24
@@ -104,6 +130,7 @@ static double bound_above(float t, uint16_t *tie_up, int bit) {
 static void fixed_keys(gefen_quant_search *s) {
   s->key_top = 32767.0f;
   s->key_fixed = 0;
+  s->key_bucket = 0;
   memset(s->key, 0, sizeof s->key);
   for (int top = 32767; s->key_ok && top >= 16384; top--) {
     double prev = -65536.0;
@@ -118,6 +145,7 @@ static void fixed_keys(gefen_quant_search *s) {
     s->key_fixed = 1;
     for (int j = 0; j < GEFEN_CODEBOOK_SIZE; j++)
       s->key[j] = (int16_t)floor((double)s->order[j] * top + 0.5);
+    key_buckets(s);
     return;
   }
 }

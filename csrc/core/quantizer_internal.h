@@ -17,6 +17,16 @@
 #define GEFEN_LEVEL_AT(L) (((1 << (8 - (L))) - 1) << (L))
 #define GEFEN_SEARCH_ENTRIES (GEFEN_CODEBOOK_SIZE + 16)
 
+/* The levels of the key search that one look-up can take (5 or 6;
+ * gefen_quant_search, key_bucket), and the most comparisons it may need after
+ * the look-up. */
+#ifndef GEFEN_BUCKET_LEVELS
+#define GEFEN_BUCKET_LEVELS 6
+#endif
+#define GEFEN_BUCKET_FIXUPS 2
+_Static_assert(GEFEN_BUCKET_LEVELS == 5 || GEFEN_BUCKET_LEVELS == 6,
+               "GEFEN_BUCKET_LEVELS: 5 or 6 (the look-up's tables hold 64 entries)");
+
 /* The 8 bits of x (0..255) in reverse order: the place of count x's
  * threshold in search order, and the reverse. */
 static inline int gefen_bit_reverse8(int x) {
@@ -88,6 +98,20 @@ typedef struct {
   int16_t key[GEFEN_CODEBOOK_SIZE + 32]; /* search order, then 32 zeros */
   float key_top;
   int key_fixed;
+  /* The key search's first GEFEN_BUCKET_LEVELS levels by one look-up
+   * (key_fixed only; block_avx512_kernels.h, key_levels_by_bucket): with K_c
+   * the fixed key of threshold[c] and d = 2^(8 - GEFEN_BUCKET_LEVELS), those
+   * levels count the keys K_di (i = 1 .. 256 / d - 1) below a key q.
+   * bucket_count[h] is that count for the least q whose high byte is h (two's
+   * complement), and a bucket of 256 keys holds at most key_bucket of the
+   * K_di, so that key_bucket comparisons of q with the next of them,
+   * bucket_key[count] (32767 after the last), finish the count exactly.
+   * bucket_above[count] is the key above it for the ties (-32768: none),
+   * bucket_rev[count] the count's bits reversed (the search's index). 0: the
+   * binary search instead (a codebook with more in some bucket). */
+  int key_bucket;
+  uint8_t bucket_count[256];
+  int16_t bucket_key[64], bucket_above[64], bucket_rev[64];
   /* codebook[code] by code, and by the search's reversed bits j (the value of
    * code j with its 8 bits reversed): sixteen 16-float registers each, for
    * decoding without VBMI */

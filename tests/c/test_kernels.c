@@ -67,6 +67,18 @@ static void one_bin_codebook(float *c) {
                      : 1.0f - (float)(255 - i) * (1.0f - 100 * 0x1p-11f) / 28.0f;
 }
 
+/* Entries 0.0015 apart around 0 and far apart elsewhere: buckets of 256
+ * 16-bit keys (about 0.0078) around 0 hold two of the thresholds that the
+ * key search's first six levels compare with (every fourth), so that its
+ * look-up needs two comparisons after it (quantizer_internal.h, key_bucket). */
+static void two_per_bucket_codebook(float *c) {
+  for (int i = 0; i < 256; i++)
+    c[i] = i < 108 ? -1.0f + (float)i * (0.97f / 108.0f)
+           : i < 148 ? (float)(i - 128) * 0.0015f
+                     : 0.03f + (float)(i - 148) * (0.97f / 107.0f);
+  c[255] = 1.0f;
+}
+
 /* A uniform codebook but for a threshold (192) 2^-24 below 0.5, an edge of
  * every coarse width: the u at the threshold has u + 1 = 1.5 - 2^-24, which
  * rounds to the edge, so it falls in the bucket above the threshold, with the
@@ -865,7 +877,7 @@ static void test_requantize_apply(void) {
   const gefen_block_ops *simd[TEST_SIMD_MAX];
   const char *names[TEST_SIMD_MAX];
   const int n = test_simd_tables(simd, names);
-  float c[7][256];
+  float c[8][256];
   learned_codebook(c[0], 3500);
   subnormal_codebook(c[4]);
   learned_codebook(c[1], 40); /* padded: repeated entries */
@@ -883,7 +895,8 @@ static void test_requantize_apply(void) {
   for (int i = 0; i < 254; i++) c[6][i] = -1.0f + 2.0f * (float)i / 255.0f;
   c[6][254] = 0.99998f;
   c[6][255] = 1.0f;
-  for (int k = 0; k < 7; k++) {
+  two_per_bucket_codebook(c[7]);
+  for (int k = 0; k < 8; k++) {
     gefen_quantizer *q = NULL;
     gefen_error err;
     CHECK(gefen_quantizer_create(c[k], &q, &err) == GEFEN_OK, "create: %s", err.msg);
@@ -898,6 +911,11 @@ static void test_requantize_apply(void) {
     /* the learned codebooks' keys are the same for every block */
     if (q && (k == 0 || k == 5))
       CHECK(q->search.key_fixed, "codebook %d: no fixed keys", k);
+    /* the first levels by look-up, with one comparison after it or two, or not
+     * (test_fixed_keys) */
+    if (q && (k == 0 || k == 5 || k == 7))
+      CHECK(q->search.key_bucket == (k == 0 ? 1 : k == 7 ? 2 : 0), "codebook %d: key_bucket %d",
+            k, q->search.key_bucket);
     if (q && k == 4) {
       int ties = 0;
       for (int g = 0; g < GEFEN_SEARCH_ENTRIES / 16; g++)
@@ -908,16 +926,21 @@ static void test_requantize_apply(void) {
     /* where the codebook allows the key search, both searches, whichever
      * this CPU prefers */
     /* and with fixed keys, each block's own keys too (at the same scale) */
-    const int key_fixed = q->search.key_fixed;
+    /* and with fixed keys, the first levels by look-up where the codebook has
+     * it and by the binary search */
+    const int key_fixed = q->search.key_fixed, key_bucket = q->search.key_bucket;
     for (int keys = q->search.key_ok; keys >= 0; keys--)
-      for (int fixed = keys ? key_fixed : 0; fixed >= 0; fixed--) {
-        q->search.key_search = keys;
-        q->search.key_fixed = fixed;
-        for (int s = 0; s < n; s++)
-          if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
-            requantize_apply_on(simd[s], names[s], q);
-      }
+      for (int fixed = keys ? key_fixed : 0; fixed >= 0; fixed--)
+        for (int bucket = fixed ? key_bucket : 0; bucket >= 0; bucket = bucket ? 0 : -1) {
+          q->search.key_search = keys;
+          q->search.key_fixed = fixed;
+          q->search.key_bucket = bucket;
+          for (int s = 0; s < n; s++)
+            if (q->table.exact_lut || simd[s] != gefen_block_ops_avx2())
+              requantize_apply_on(simd[s], names[s], q);
+        }
     q->search.key_fixed = key_fixed;
+    q->search.key_bucket = key_bucket;
     /* the AVX2 search without the coarse rows too, where it has them */
     const int coarse_div = q->coarse_div;
     q->coarse_div = 0;
@@ -971,6 +994,49 @@ static void test_scaled_rule(void) {
   printf("  scaled thresholds: %lld comparisons\n", (long long)checked);
 }
 
+/* The look-up of the key search's first levels (quantizer_internal.h,
+ * key_bucket), as block_avx512_kernels.h reads it, for every key q from
+ * -32767 to 32767: the bucket of q's high byte and key_bucket comparisons
+ * give the count of the levels' keys below q, with the key above that count
+ * (-32768 after the last) and the count's bits reversed; a codebook without
+ * it (key_bucket 0) has a bucket with more of those keys than the
+ * comparisons could settle. looked_up[key_bucket] counts the codebooks. */
+static void check_key_buckets(const gefen_quant_search *s, int k, int *looked_up) {
+  enum { N = (1 << GEFEN_BUCKET_LEVELS) - 1, D = 1 << (8 - GEFEN_BUCKET_LEVELS) };
+  int key[N + 1], most = 0;
+  for (int i = 0; i < N; i++) key[i] = s->key[gefen_bit_reverse8(D * (i + 1) - 1)];
+  key[N] = 32768; /* above every q */
+  CHECK(s->key_bucket >= 0 && s->key_bucket <= GEFEN_BUCKET_FIXUPS, "codebook %d: key_bucket %d",
+        k, s->key_bucket);
+  looked_up[s->key_bucket]++;
+  for (int i = 0, lo = -32768; lo < 32768; lo += 256) { /* the buckets in key order */
+    int in = 0;
+    while (key[i] <= lo + 255) i++, in++;
+    if (in > most) most = in;
+  }
+  if (!s->key_bucket) {
+    CHECK(most > GEFEN_BUCKET_FIXUPS, "codebook %d: no look-up, with %d keys in a bucket", k, most);
+    return;
+  }
+  CHECK(most == s->key_bucket, "codebook %d: key_bucket %d, %d keys in a bucket", k,
+        s->key_bucket, most);
+  for (int q = -32767, want = 0; q <= 32767; q++) {
+    while (key[want] < q) want++; /* the keys below q */
+    int c = s->bucket_count[(uint16_t)q >> 8];
+    for (int f = 0; f < s->key_bucket; f++) c += q > s->bucket_key[c];
+    if (c != want) {
+      CHECK(0, "codebook %d: key %d counts %d keys below it, not %d", k, q, c, want);
+      return;
+    }
+    const int above = c < N ? key[c] : -32768;
+    if (s->bucket_above[c] != above || s->bucket_rev[c] != gefen_bit_reverse8(c) >> (8 - GEFEN_BUCKET_LEVELS)) {
+      CHECK(0, "codebook %d: count %d: key above %d (not %d), reversed %d", k, c,
+            s->bucket_above[c], above, s->bucket_rev[c]);
+      return;
+    }
+  }
+}
+
 /* The fixed keys (quantizer_internal.h, key_fixed) are every block's own:
  * for learned codebooks of several widths, entries one bin apart and a top
  * threshold near 1, the key of each scaled threshold, RN(min(G * r,
@@ -979,15 +1045,16 @@ static void test_scaled_rule(void) {
  * significand, the ends). */
 static void test_fixed_keys(void) {
   int64_t checked = 0;
-  int fixed = 0;
-  for (int k = 0; k < 24; k++) {
+  int fixed = 0, looked_up[GEFEN_BUCKET_FIXUPS + 1] = {0};
+  for (int k = 0; k < 25; k++) {
     float c[256];
     if (k == 0) one_bin_codebook(c);
     else if (k == 1) {
       for (int i = 0; i < 254; i++) c[i] = -1.0f + 2.0f * (float)i / 255.0f;
       c[254] = 0.99998f;
       c[255] = 1.0f;
-    } else learned_codebook(c, 200 + 150 * k);
+    } else if (k == 24) two_per_bucket_codebook(c);
+    else learned_codebook(c, 200 + 150 * k);
     gefen_quantizer *q = NULL;
     gefen_error err;
     CHECK(gefen_quantizer_create(c, &q, &err) == GEFEN_OK, "create: %s", err.msg);
@@ -1003,6 +1070,7 @@ static void test_fixed_keys(void) {
     for (int i = 2; i < GEFEN_CODEBOOK_SIZE; i++) /* strictly increasing by count */
       CHECK(s->key[gefen_bit_reverse8(i - 1)] > s->key[gefen_bit_reverse8(i - 2)],
             "codebook %d: keys of counts %d and %d", k, i - 2, i - 1);
+    check_key_buckets(s, k, looked_up);
     for (int trial = 0; trial < 600; trial++) {
       float mx;
       switch (trial % 6) {
@@ -1025,6 +1093,12 @@ static void test_fixed_keys(void) {
     gefen_quantizer_destroy(q);
   }
   printf("  fixed keys: %d codebooks, %lld keys compared\n", fixed, (long long)checked);
+  /* the codebooks above take each number of comparisons after the look-up,
+   * and the binary search (0) */
+  for (int f = 0; f <= GEFEN_BUCKET_FIXUPS; f++)
+    CHECK(looked_up[f] > 0, "no codebook with key_bucket %d", f);
+  printf("  first levels by look-up: key_bucket 0 / 1 / 2 in %d / %d / %d codebooks\n",
+         looked_up[0], looked_up[1], looked_up[2]);
 }
 
 /* GEFEN_SLOW=1: the threshold count and the coarse rows against the reference
