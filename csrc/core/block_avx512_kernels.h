@@ -641,9 +641,10 @@ _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
  * look-up (s->key_bucket; n even): the count of the levels' keys below the
  * bucket of each key q's high byte, then key_bucket comparisons with the next
  * of them, each adding one where q is above it; j gets the count's bits
- * reversed and ub the key above it, as the levels would leave them. Per 64
- * keys 7 byte permutes and blends, then 3 operations per comparison and 2
- * each for ub and j, against 8 a level (docs/performance.md, "The first
+ * reversed and ub the key above it, as the levels would leave them. Per 32
+ * keys about 3.5 operations for the look-up (7 byte permutes and blends per
+ * 64), 3 per comparison and 1 each for ub and j: about 11.5 with one
+ * comparison against the six levels' 23 (docs/performance.md, "The first
  * levels by one look-up"). */
 INLINE void key_levels_by_bucket(const gefen_quant_search *s, const int n, const __m512i *q,
                                  __m512i *j, __m512i *ub) {
