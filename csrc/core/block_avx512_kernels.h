@@ -574,8 +574,8 @@ typedef struct {
    * magnitude, for the ties (key_ties) */
   const float *order;
   float mx, r, top;
-  /* the quantiser, where its look-up takes the first five levels (key_levels5;
-   * fixed keys only), else NULL */
+  /* the quantiser, where its look-up takes the first GEFEN_BUCKET_LEVELS levels
+   * (key_levels_by_bucket; fixed keys only), else NULL */
   const gefen_quant_search *bucket;
 } key_tables;
 
@@ -629,14 +629,6 @@ INLINE void key_setup(const gefen_quant_search *s, const float *t, float mx, key
 _Static_assert(KEY_GROUPS >= 2 && KEY_GROUPS <= 4,
                "KEY_GROUPS: 2 to 4 groups (the passes of two groups share its arrays)");
 
-/* The counts of keys below each of n x 32 keys q[] (bits reversed, as
- * search64), level by level over the n vectors so that their chains overlap;
- * tie[v]: the lanes whose key equals the key above their count, the one case
- * the keys cannot decide (key_codes_t, key_ties). That key is the last one on
- * the lane's path that was not below it (in a binary search, the successor of
- * the final interval is its last left turn), so each level keeps it by a
- * blend, from -32768, which no key is (m's and the thresholds' keys are
- * within -S..S, S <= 32767). */
 /* The first GEFEN_BUCKET_LEVELS levels of key_search by the quantiser's
  * look-up (s->key_bucket; n even): the count of the levels' keys below the
  * bucket of each key q's high byte, then key_bucket comparisons with the next
@@ -694,6 +686,15 @@ INLINE void key_levels_by_bucket(const gefen_quant_search *s, const int n, const
   }
 }
 
+/* The counts of keys below each of n x 32 keys q[] (bits reversed, as
+ * search64), level by level over the n vectors so that their chains overlap;
+ * tie[v]: the lanes whose key equals the key above their count, the one case
+ * the keys cannot decide (key_codes_t, key_ties). That key is the last one on
+ * the lane's path that was not below it (in a binary search, the successor of
+ * the final interval is its last left turn), so each level keeps it by a
+ * blend, from -32768, which no key is (m's and the thresholds' keys are
+ * within -S..S, S <= 32767). bucket (a constant at each call): the first
+ * GEFEN_BUCKET_LEVELS levels by kt->bucket's look-up (key_levels_by_bucket). */
 INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m512i *j,
                        __mmask32 *tie, const int bucket) {
   const int16_t *w = kt->key;

@@ -925,9 +925,9 @@ static void test_requantize_apply(void) {
     if (!q) continue;
     /* where the codebook allows the key search, both searches, whichever
      * this CPU prefers */
-    /* and with fixed keys, each block's own keys too (at the same scale) */
-    /* and with fixed keys, the first levels by look-up where the codebook has
-     * it and by the binary search */
+    /* and with fixed keys, each block's own keys too (at the same scale), and
+     * the first levels by look-up where the codebook has it as well as by the
+     * binary search */
     const int key_fixed = q->search.key_fixed, key_bucket = q->search.key_bucket;
     for (int keys = q->search.key_ok; keys >= 0; keys--)
       for (int fixed = keys ? key_fixed : 0; fixed >= 0; fixed--)
