@@ -80,13 +80,16 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
       double t4 = now();
       ops->apply_factored(p, GEFEN_F32, base, m, P, 0.3f, scol, 1.0f, 1e-8f, 0.999f, 1e-6f);
       double t5 = now();
+      /* the Adam sinks' m_has_no_nan as adam.c finds it for these finite gradients */
       const gefen_sink sink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = p, .out_dtype = GEFEN_F32,
-                               .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-6f};
+                               .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-6f,
+                               .m_has_no_nan = 1};
       ops->requantize_apply(q, m0, mx, P, codes + base, &sink);
       double t6 = now();
       const gefen_sink fsink = {.kind = GEFEN_SINK_ADAM_FACTORED, .out = p,
                                 .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = scol,
-                                .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-6f};
+                                .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-6f,
+                                .m_has_no_nan = 1};
       double t6b = now();
       ops->adam_momentum(g, GEFEN_F32, base, codes + base, q, 0.5f, 0.9f, 0.1f, P, m0, NULL, 0);
       double t7 = now();
@@ -112,7 +115,8 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
         const gefen_sink bsink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = p16,
                                   .out_dtype = GEFEN_BF16, .base = base, .s = 0.1f,
                                   .decay = 0.999f, .lr = 1e-6f,
-                                  .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0};
+                                  .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0,
+                                  .m_has_no_nan = 1};
         ops->requantize_apply(q, m0, bmx, P, codes + base, &bsink);
         tb[packed] = now() - s0;
       }
@@ -123,7 +127,7 @@ static void run(const char *label, const gefen_block_ops *ops, const gefen_quant
                                              0.1f, P, m0, &hsq, 0);
         const gefen_sink hsink = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = ph16,
                                   .out_dtype = GEFEN_F16, .base = base, .s = 0.1f,
-                                  .decay = 0.999f, .lr = 1e-6f};
+                                  .decay = 0.999f, .lr = 1e-6f, .m_has_no_nan = 1};
         ops->requantize_apply(q, m0, hmx, P, codes + base, &hsink);
         t[11] += now() - s0;
       }

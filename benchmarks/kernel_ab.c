@@ -143,7 +143,8 @@ static float block_step(const version *v, const void *grad, gefen_dtype dt, void
                                          sq, packed ? GEFEN_SINK_ADAM_BLOCK : 0);
   const gefen_sink k = {.kind = GEFEN_SINK_ADAM_BLOCK, .out = param, .out_dtype = dt,
                         .base = base, .s = 0.1f, .decay = 0.999f, .lr = 1e-3f,
-                        .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0};
+                        .packed = packed ? GEFEN_SINK_ADAM_BLOCK : 0,
+                        .m_has_no_nan = gefen_m_has_no_nan(*sq, 0.5f)}; /* as adam.c */
   v->ops->requantize_apply(v->q, m, mx, P, codes, &k);
   return mx;
 }
@@ -170,9 +171,11 @@ static void run_stage(const version *v, buffers *b, int s, int64_t n, int64_t P,
         break;
       case 3: { /* momentum (no sum of squares) and the factored fused pass */
         mx = ops->adam_momentum(b->g, GEFEN_F32, base, c, q, 0.5f, 0.9f, 0.1f, P, b->m, NULL, 0);
+        /* m_has_no_nan: adam.c's verdict from a row's squares; these are finite */
         const gefen_sink k = {.kind = GEFEN_SINK_ADAM_FACTORED, .out = b->p,
                               .out_dtype = GEFEN_F32, .base = base, .s = 0.3f, .scol = b->scol,
-                              .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f};
+                              .inv_bc1 = 1.0f, .eps = 1e-8f, .decay = 0.999f, .lr = 1e-3f,
+                              .m_has_no_nan = 1};
         ops->requantize_apply(q, b->m, mx, P, c, &k);
         break;
       }

@@ -381,14 +381,15 @@ static void block_chunk(const gefen_adam_item *it, const adam_consts *k,
   for (int64_t b = b0; b < b1; b++) {
     const int64_t base = b * P;
     double sq = 0.0;
-    const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
-                                        it->magnitude[b], k->beta1, k->one_minus_beta1, P, m, &sq,
-                                        sink.packed);
+    const float mag_old = it->magnitude[b];
+    const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q, mag_old,
+                                        k->beta1, k->one_minus_beta1, P, m, &sq, sink.packed);
     it->magnitude[b] = mx;
     const float vm = k->beta2 * it->vmean[b] + k->one_minus_beta2 * (float)(sq / (double)P);
     it->vmean[b] = vm;
     sink.s = k->inv_bc1 / (sqrtf(vm) * k->rs_bc2 + k->eps);
     sink.base = base;
+    sink.m_has_no_nan = gefen_m_has_no_nan(sq, mag_old);
     const int64_t global_base = (it->row_offset + b / nb) * it->cols + (b % nb) * P;
     finish_block(it, q, ops, m, mx, base, global_base, &sink);
   }
@@ -415,13 +416,16 @@ static void factored_chunk(const gefen_adam_item *it, const adam_consts *k,
     }
     for (int64_t c0 = 0; c0 < cols; c0 += P) {
       const int64_t base = r * cols + c0, b = base / P;
-      /* the block's sum of squares is not needed: sq = NULL */
+      /* the block's sum of squares is not needed: sq = NULL (its row's holds its
+       * squares: gefen_m_has_no_nan) */
+      const float mag_old = it->magnitude[b];
       const float mx = ops->adam_momentum(it->grad, it->dtype, base, it->codes + base, q,
-                                          it->magnitude[b], k->beta1, k->one_minus_beta1, P, m,
-                                          NULL, sink.packed);
+                                          mag_old, k->beta1, k->one_minus_beta1, P, m, NULL,
+                                          sink.packed);
       it->magnitude[b] = mx;
       sink.base = base;
       sink.scol = k->scol + c0;
+      sink.m_has_no_nan = gefen_m_has_no_nan(it->row_stats[r], mag_old);
       finish_block(it, q, ops, m, mx, base, (it->row_offset + r) * cols + c0, &sink);
     }
   }

@@ -225,6 +225,15 @@ typedef struct {
   __m512d lo, hi;
 } momentum_acc;
 
+/* max(|x|, vmx) with NaN never winning, in one operation: vrangeps with imm 0x0B
+ * takes the operand of larger magnitude and clears its sign. An operand that is
+ * a quiet NaN gives the other one (IEEE maxNum; the kernel tests' NaN gradients
+ * check it on the CPU that runs them), and every x here is an arithmetic result,
+ * so a NaN is quiet; vmx starts at 0 and never holds one. Was _mm512_max_ps of
+ * _mm512_abs_ps(x) and vmx: one operation more per 16 values (docs/performance.md,
+ * "The keys without their clamp"). */
+#define MAX_ABS 0x0B
+
 #if PACKED_BF16
 /* 64 bfloat16 values at p + i as floats in the packed order, and back (rounded
  * as gefen_store16 rounds). */
@@ -271,7 +280,7 @@ INLINE void momentum64_packed(planes_ptr plane, const int tabled, const void *gr
     const __m512 cv = tabled ? c[v] : momentum_code_value(c[v], vmag, vb1, 0);
     const __m512 x = momentum_of(cv, vomb, g[v], 0);
     _mm512_storeu_ps(m + j + 16 * v, x);
-    acc->vmx = _mm512_max_ps(_mm512_abs_ps(x), acc->vmx); /* NaN never wins */
+    acc->vmx = _mm512_range_ps(acc->vmx, x, MAX_ABS); /* NaN never wins */
   }
   /* the squares: one float64 accumulator takes both halves of a vector, low then high
    * (gefen_add_lanes16 with lo = hi), so that in the packed order the even (odd)
@@ -300,7 +309,7 @@ INLINE void momentum64(const gefen_quant_search *s, planes_ptr plane, const int 
     const __m512 cv = tabled ? c[v] : momentum_code_value(c[v], vmag, vb1, muon);
     const __m512 x = momentum_of(cv, vomb, g, muon);
     _mm512_mask_storeu_ps(m + i, k, x);
-    acc->vmx = _mm512_mask_max_ps(acc->vmx, k, _mm512_abs_ps(x), acc->vmx); /* NaN never wins */
+    acc->vmx = _mm512_mask_range_ps(acc->vmx, k, acc->vmx, x, MAX_ABS); /* NaN never wins */
     if (want_sq && dt != GEFEN_F32) /* bfloat16: checked in momentum_run */
       gefen_fma_squares16(&acc->lo, &acc->hi, g); /* masked lanes add 0 */
     else if (want_sq)
@@ -592,6 +601,15 @@ INLINE __m512i key16(__m512 x, __m512 vr, __m512 vtop) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), vtop));
 }
 
+/* key16 where m holds no NaN (the sink's m_has_no_nan): with mx finite, as
+ * every block of the key search has, x * r is within about -S..S for every
+ * finite x (|x| <= mx), so the clamp changes no key; only NaN needs it (without
+ * it, the integer indefinite: key -32768 and code 0 instead of 255). One
+ * operation fewer per 16 (docs/performance.md, "The keys without their clamp"). */
+INLINE __m512i key16_no_nan(__m512 x, __m512 vr) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(x, vr));
+}
+
 /* The key tables of a block with magnitude mx: the quantiser's fixed keys,
  * or the keys of its scaled thresholds t (scale_order); the byte planes of t
  * only with planes (key_codes_t reads them, for the groups of a block after
@@ -754,16 +772,19 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
 /* G whole groups of m at m[0..64 G) searched: their counts stored as codes
  * (element order) at codes[0..64 G), and each group's tied lanes in tie[h]:
  * bit 32 s + w for word w of its vector q[2 h + s] (key_ties). m in the
- * packed order where packed (the codes are not). */
+ * packed order where packed (the codes are not). no_nan: m holds no NaN
+ * (key16_no_nan). */
 INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint8_t *codes,
-                         const int packed, uint64_t *tie) {
+                         const int packed, uint64_t *tie, const int no_nan) {
   const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   __mmask32 t[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
-  for (int v = 0; v < 2 * G; v++)
-    q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr, vtop),
-                              key16(_mm512_loadu_ps(m + 32 * v + 16), vr, vtop));
+  for (int v = 0; v < 2 * G; v++) {
+    const __m512 lo = _mm512_loadu_ps(m + 32 * v), hi = _mm512_loadu_ps(m + 32 * v + 16);
+    q[v] = no_nan ? _mm512_packs_epi32(key16_no_nan(lo, vr), key16_no_nan(hi, vr))
+                  : _mm512_packs_epi32(key16(lo, vr, vtop), key16(hi, vr, vtop));
+  }
   if (kt->bucket)
     key_search(kt, 2 * G, q, j, t, 1);
   else
@@ -990,12 +1011,14 @@ _Static_assert(KEY_CHUNK % (64 * KEY_GROUPS) == 0, "KEY_CHUNK: whole search step
 INLINE void requantize_keys(planes_ptr vt, const int tabled, const key_tables *kt, float *m,
                             __m512 vmx, int64_t len, uint8_t *codes, const gefen_sink *sk,
                             const gefen_sink_kind kind, const gefen_dtype dt,
-                            const gefen_dtype out_dt, int64_t j, int64_t end, const int packed) {
+                            const gefen_dtype out_dt, int64_t j, int64_t end, const int packed,
+                            const int no_nan) {
   uint64_t tie[KEY_CHUNK / 64];
   int64_t i = j;
   for (; i + 64 * KEY_GROUPS <= end; i += 64 * KEY_GROUPS)
-    key_counts64(kt, KEY_GROUPS, m + i, codes + i, packed, tie + (i - j) / 64);
-  for (; i < end; i += 128) key_counts64(kt, 2, m + i, codes + i, packed, tie + (i - j) / 64);
+    key_counts64(kt, KEY_GROUPS, m + i, codes + i, packed, tie + (i - j) / 64, no_nan);
+  for (; i < end; i += 128)
+    key_counts64(kt, 2, m + i, codes + i, packed, tie + (i - j) / 64, no_nan);
   key_ties(kt, tie, (end - j) / 64, m + j, codes + j, packed);
   if (kind == GEFEN_SINK_CODES) return;
   for (i = j; i < end; i += 64) {
@@ -1115,11 +1138,19 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
 #endif
   }
 #if KEY_SEARCH
+/* the keys without their clamp only for the Adam sinks, whose callers know
+ * (gefen_m_has_no_nan): the other kinds keep one version of the passes */
+#define KEY_PASSES_WITH(TABLED, NO_NAN)                                                    \
+  for (const int64_t whole = len / 128 * 128; j < whole; j += KEY_CHUNK)                  \
+    requantize_keys(vt, TABLED, kt, m, vmx, len, codes, sk, kind, dt, out_dt, j,            \
+                    j + KEY_CHUNK < whole ? j + KEY_CHUNK : whole, packed, NO_NAN)
 #define KEY_PASSES(MODE, TABLED)                                                           \
   if (MODE == BY_KEYS) {                                                                   \
-    for (const int64_t whole = len / 128 * 128; j < whole; j += KEY_CHUNK)                \
-      requantize_keys(vt, TABLED, kt, m, vmx, len, codes, sk, kind, dt, out_dt, j,          \
-                      j + KEY_CHUNK < whole ? j + KEY_CHUNK : whole, packed);               \
+    if ((kind == GEFEN_SINK_ADAM_BLOCK || kind == GEFEN_SINK_ADAM_FACTORED) &&            \
+        sk->m_has_no_nan)                                                                  \
+      KEY_PASSES_WITH(TABLED, 1);                                                          \
+    else                                                                                   \
+      KEY_PASSES_WITH(TABLED, 0);                                                          \
     j = len / 128 * 128;                                                                   \
   }
 #else
@@ -1153,6 +1184,7 @@ INLINE void requantize_t(const gefen_quantizer *q, float *m, float mx, int64_t l
     PASS(BY_ZERO, 0);
 #undef PASS
 #undef KEY_PASSES
+#undef KEY_PASSES_WITH
   if (kind == GEFEN_SINK_ADAM_BLOCK || kind == GEFEN_SINK_ADAM_FACTORED || kind == GEFEN_SINK_MUON)
     store_nans_after(sk->out, out_dt, sk->base, len);
 }

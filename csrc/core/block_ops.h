@@ -100,7 +100,22 @@ typedef struct {
   int packed;            /* Adam sinks: m is as adam_momentum(..., packed) of the
                           * same primitives wrote it with the same packed, the
                           * sink's kind (its own order, see there); 0: in order */
+  int m_has_no_nan;      /* Adam sinks: the caller has shown that m holds no NaN
+                          * (gefen_m_has_no_nan); a requantisation may then skip
+                          * what only a NaN needs. 0 (the default): it may hold one */
 } gefen_sink;
+
+/* Whether adam_momentum's m holds no NaN, from what the caller has anyway:
+ * m = beta1 * (C[code] * mag_old) + (1 - beta1) * g takes a NaN only from a NaN
+ * g or a non-finite mag_old (C * mag_old is then NaN or an infinity that may
+ * meet the other one), and a NaN or infinite g makes the sum of the squares
+ * that holds it non-finite (the block's, or its row's in the factored form).
+ * Finite operands whose m overflows give +-inf, not NaN. (With a non-finite
+ * mag_old no block reaches the key search anyway: its max|m| is then +inf or
+ * 0; the clause keeps the reasoning local.) */
+static inline int gefen_m_has_no_nan(double squares, float mag_old) {
+  return isfinite(squares) && isfinite(mag_old);
+}
 
 /* The block form's step for blocks of one element (period 1: the 1-D
  * parameters) over a run of elements: the item's buffers and constants. */

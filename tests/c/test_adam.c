@@ -515,6 +515,13 @@ static void test_equivalence(void) {
           const shape big = {all_dts[d], 70, 2048, d < 2 ? 2048 : 512};
           compare_set(&big, 1, q, cb_names[cbk], ops[o], names[o], nt, !stochastic,
                       (specials + 1) % 3, nt == 3, 2);
+          /* blocks long enough for the key search in the block form (the
+           * item last), NaN gradients among the special values: the keys
+           * keep their clamp in a block whose squares are not finite */
+          const shape block_keys[2] = {{all_dts[(d + 1) % 4], 2, 64, 16},
+                                       {all_dts[d], 8, 2048, d < 2 ? 2048 : 512}};
+          compare_set(block_keys, 2, q, cb_names[cbk], ops[o], names[o], nt, !stochastic,
+                      (specials + 1) % 3 ? (specials + 1) % 3 : SPECIAL_ONE_NAN, 0, 2);
         }
     }
     printf("  codebook %-26s %d version(s) of the primitives, %lld steps compared\n",
