@@ -118,8 +118,8 @@ TARGET __attribute__((noinline)) static void key_prepare(const gefen_quant_searc
   key_setup(s, scaled, mx, kt, 1);
   const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   for (int i = 0; i < N / 32; i++)
-    keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr, vtop),
-                                 key16(_mm512_loadu_ps(m + 32 * i + 16), vr, vtop));
+    keys[i] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * i), vr, vtop, 1),
+                                 key16(_mm512_loadu_ps(m + 32 * i + 16), vr, vtop, 1));
 }
 
 TARGET __attribute__((noinline)) static void scaled_thresholds(const gefen_quant_search *s,

@@ -93,8 +93,9 @@ def _search_line(ext) -> str:
     if ext.simd_path() not in ("avx512bf16", "avx512vbmi"):
         return "binary search over floats or the exact lookup table (no VBMI with GFNI here)"
     if ext.key_search():
-        return ("over 16-bit keys for blocks of 512 or more (AMD; the first six levels by one "
-                "byte look-up where the codebook allows), floats otherwise; same codes")
+        return ("over 16-bit keys for blocks of 512 or more, or of a multiple of 128 with the "
+                "codebook's fixed keys (AMD; the first six levels by one byte look-up where the "
+                "codebook allows), floats otherwise; same codes")
     return "binary search over floats (the 16-bit key search is slower on this CPU); same codes"
 
 

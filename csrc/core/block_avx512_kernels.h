@@ -597,17 +597,15 @@ typedef struct {
  * "Fixed keys, and float16 squares by multiply-adds"). */
 #define KEY_MIN_LEN 512
 
-INLINE __m512i key16(__m512 x, __m512 vr, __m512 vtop) {
-  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps(x, vr), vtop));
-}
-
-/* key16 where m holds no NaN (the sink's m_has_no_nan): with mx finite, as
- * every block of the key search has, x * r is within about -S..S for every
- * finite x (|x| <= mx), so the clamp changes no key; only NaN needs it (without
- * it, the integer indefinite: key -32768 and code 0 instead of 255). One
- * operation fewer per 16 (docs/performance.md, "The keys without their clamp"). */
-INLINE __m512i key16_no_nan(__m512 x, __m512 vr) {
-  return _mm512_cvtps_epi32(_mm512_mul_ps(x, vr));
+/* The keys of 16 values x (above). clamp 0 where x holds no NaN (the sink's
+ * m_has_no_nan): with mx finite, as every block of the key search has, x * r is
+ * within about -S..S for every finite x (|x| <= mx), so the clamp changes no
+ * key; only NaN needs it (without it, the integer indefinite: key -32768 and
+ * code 0 instead of 255). One operation fewer per 16 (docs/performance.md,
+ * "The keys without their clamp"). */
+INLINE __m512i key16(__m512 x, __m512 vr, __m512 vtop, const int clamp) {
+  const __m512 y = _mm512_mul_ps(x, vr);
+  return _mm512_cvtps_epi32(clamp ? _mm512_min_ps(y, vtop) : y);
 }
 
 /* The key tables of a block with magnitude mx: the quantiser's fixed keys,
@@ -628,7 +626,7 @@ INLINE void key_setup(const gefen_quant_search *s, const float *t, float mx, key
     const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
     for (int g = 0; g < GEFEN_CODEBOOK_SIZE / 16; g++)
       _mm256_storeu_si256((__m256i *)(kt->own + 16 * g),
-                          _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr, vtop)));
+                          _mm512_cvtsepi32_epi16(key16(_mm512_loadu_ps(t + 16 * g), vr, vtop, 1)));
     _mm512_storeu_si512(kt->own + GEFEN_CODEBOOK_SIZE, _mm512_setzero_si512());
     kt->key = kt->own;
   }
@@ -773,18 +771,16 @@ INLINE void key_search(const key_tables *kt, const int n, const __m512i *q, __m5
  * (element order) at codes[0..64 G), and each group's tied lanes in tie[h]:
  * bit 32 s + w for word w of its vector q[2 h + s] (key_ties). m in the
  * packed order where packed (the codes are not). no_nan: m holds no NaN
- * (key16_no_nan). */
+ * (key16 without its clamp). */
 INLINE void key_counts64(const key_tables *kt, const int G, const float *m, uint8_t *codes,
                          const int packed, uint64_t *tie, const int no_nan) {
   const __m512 vr = _mm512_set1_ps(kt->r), vtop = _mm512_set1_ps(kt->top);
   __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   __mmask32 t[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
-  for (int v = 0; v < 2 * G; v++) {
-    const __m512 lo = _mm512_loadu_ps(m + 32 * v), hi = _mm512_loadu_ps(m + 32 * v + 16);
-    q[v] = no_nan ? _mm512_packs_epi32(key16_no_nan(lo, vr), key16_no_nan(hi, vr))
-                  : _mm512_packs_epi32(key16(lo, vr, vtop), key16(hi, vr, vtop));
-  }
+  for (int v = 0; v < 2 * G; v++)
+    q[v] = _mm512_packs_epi32(key16(_mm512_loadu_ps(m + 32 * v), vr, vtop, !no_nan),
+                              key16(_mm512_loadu_ps(m + 32 * v + 16), vr, vtop, !no_nan));
   if (kt->bucket)
     key_search(kt, 2 * G, q, j, t, 1);
   else
@@ -831,7 +827,7 @@ INLINE void key_codes_t(const key_tables *kt, const int g, const __m512 *m,
   __m512i q[2 * KEY_GROUPS], j[2 * KEY_GROUPS];
   /* the packs interleave 4-lane groups exactly as codes_t_of does */
   for (int v = 0; v < 2 * g; v++)
-    q[v] = _mm512_packs_epi32(key16(m[2 * v], vr, vtop), key16(m[2 * v + 1], vr, vtop));
+    q[v] = _mm512_packs_epi32(key16(m[2 * v], vr, vtop, 1), key16(m[2 * v + 1], vr, vtop, 1));
   __mmask32 tie[2 * KEY_GROUPS];
   key_search(kt, 2 * g, q, j, tie, 0); /* (tie unused: every lane is compared below) */
   for (int h = 0; h < g; h++) {
